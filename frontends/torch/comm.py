@@ -1,0 +1,332 @@
+"""The SMP v1 rank API and object communication (reference section 2.2).
+
+Ranks: ``rank()``, ``pp_rank()``, ... and the groups as rank lists (``get_dp_group()``) or process
+groups (``get_dp_process_group()``). Objects: ``send``/``recv_from``/``broadcast`` (point to point,
+synchronous), ``allgather``/``gather``/``barrier`` (collective over a group). Every object travels
+pickled in a uint8 tensor; every wait has the communication timeout and stops when another rank
+fails (see failure.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import smp.state as smp_state
+from smp.errors import InvalidCommGroupError, NotInitializedError, SMPError
+from smp.topology import GroupKind
+
+from .failure import wait
+from .runtime import runtime
+
+# A tag of its own keeps object messages apart from the pipeline's tensor messages.
+OBJECT_TAG = 0x5EED
+
+
+class CommGroup(IntEnum):
+    """Communication groups (SMP v1 values)."""
+
+    WORLD = 0
+    PP_GROUP = 1
+    TP_GROUP = 2
+    RDP_GROUP = 3
+    DP_GROUP = 4
+    MP_GROUP = 5
+
+
+class RankType(IntEnum):
+    """How a peer rank number is read (SMP v1 values)."""
+
+    WORLD_RANK = 0
+    PP_RANK = 1
+    TP_RANK = 2
+    RDP_RANK = 3
+    DP_RANK = 4
+    MP_RANK = 5
+
+
+WORLD, PP_GROUP, TP_GROUP, RDP_GROUP, DP_GROUP, MP_GROUP = tuple(CommGroup)
+
+
+class DDPNotEnabledError(SMPError, RuntimeError):
+    """A process-group getter that SMP v1 reserves for ``ddp: True`` was called without it."""
+
+
+def _kind(group: object) -> GroupKind:
+    if isinstance(group, (CommGroup, RankType)):
+        return GroupKind(int(group))
+    raise InvalidCommGroupError(
+        f"invalid communication group {group!r}: use one of smp.WORLD, smp.PP_GROUP, smp.TP_GROUP, "
+        "smp.RDP_GROUP, smp.DP_GROUP, smp.MP_GROUP")
+
+
+def _coord() -> Any:
+    st = smp_state.current()
+    if st.rank_map is None:
+        raise NotInitializedError("smp is not initialised: call smp.init(config) first")
+    return st.rank_map.coord(st.rank)
+
+
+# --- ranks and sizes ----------------------------------------------------------------------------
+
+def rank() -> int:
+    return int(_coord().rank)
+
+
+def size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.world_size if rm else 1
+
+
+def local_rank() -> int:
+    _coord()
+    return smp_state.current().local_rank
+
+
+def local_size() -> int:
+    return smp_state.current().local_size if smp_state.current().rank_map else 1
+
+
+def pp_rank() -> int:
+    return int(_coord().pp_rank)
+
+
+def tp_rank() -> int:
+    return int(_coord().tp_rank)
+
+
+def rdp_rank() -> int:
+    return int(_coord().rdp_rank)
+
+
+def dp_rank() -> int:
+    return int(_coord().dp_rank)
+
+
+def mp_rank() -> int:
+    return int(_coord().mp_rank)
+
+
+def pp_size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.pp_size if rm else 1
+
+
+def tp_size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.tp_size if rm else 1
+
+
+def rdp_size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.rdp_size if rm else 1
+
+
+def dp_size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.dp_size if rm else 1
+
+
+def mp_size() -> int:
+    rm = smp_state.current().rank_map
+    return rm.mp_size if rm else 1
+
+
+def num_microbatches() -> int:
+    cfg = smp_state.current().cfg
+    return cfg.microbatches if cfg else 1
+
+
+# --- groups as rank lists ---------------------------------------------------------------------
+
+def _group_list(kind: GroupKind, **coords: int | None) -> list[int]:
+    st = smp_state.current()
+    c = _coord()
+    rm = st.rank_map
+    assert rm is not None
+    at = {"pp_rank": c.pp_rank, "tp_rank": c.tp_rank, "rdp_rank": c.rdp_rank}
+    if "dp_rank" in coords and coords["dp_rank"] is not None:
+        # A DP rank names a (tp, rdp) pair within this pipeline stage.
+        member = rm.group(GroupKind.DP, rank())[coords.pop("dp_rank") or 0]
+        mc = rm.coord(member)
+        at.update(tp_rank=mc.tp_rank, rdp_rank=mc.rdp_rank)
+    coords.pop("dp_rank", None)
+    at.update({k: v for k, v in coords.items() if v is not None})
+    return rm.group(kind, rm.rank_of(at["pp_rank"], at["tp_rank"], at["rdp_rank"]))
+
+
+def get_pp_group(dp_rank: int | None = None) -> list[int]:
+    return _group_list(GroupKind.PP, dp_rank=dp_rank)
+
+
+def get_tp_group(pp_rank: int | None = None, rdp_rank: int | None = None) -> list[int]:
+    return _group_list(GroupKind.TP, pp_rank=pp_rank, rdp_rank=rdp_rank)
+
+
+def get_rdp_group(pp_rank: int | None = None, tp_rank: int | None = None) -> list[int]:
+    return _group_list(GroupKind.RDP, pp_rank=pp_rank, tp_rank=tp_rank)
+
+
+def get_dp_group(pp_rank: int | None = None) -> list[int]:
+    return _group_list(GroupKind.DP, pp_rank=pp_rank)
+
+
+def get_mp_group(rdp_rank: int | None = None) -> list[int]:
+    return _group_list(GroupKind.MP, rdp_rank=rdp_rank)
+
+
+# --- process groups -----------------------------------------------------------------------------
+
+def _process_group(kind: GroupKind, needs_ddp: bool = True) -> Any:
+    rt = runtime()
+    cfg = smp_state.current().cfg
+    if needs_ddp and cfg is not None and not cfg.ddp:
+        raise DDPNotEnabledError(
+            f"get_{kind.name.lower()}_process_group() needs ddp: True in the smp config (as in SMP v1); "
+            "add it, or use get_mp_process_group()")
+    return rt.groups[kind]
+
+
+def get_world_process_group() -> Any:
+    return _process_group(GroupKind.WORLD)
+
+
+def get_pp_process_group() -> Any:
+    return _process_group(GroupKind.PP)
+
+
+def get_tp_process_group() -> Any:
+    return _process_group(GroupKind.TP)
+
+
+def get_rdp_process_group() -> Any:
+    return _process_group(GroupKind.RDP)
+
+
+def get_dp_process_group() -> Any:
+    return _process_group(GroupKind.DP)
+
+
+def get_mp_process_group() -> Any:
+    return _process_group(GroupKind.MP, needs_ddp=False)
+
+
+# --- object communication -----------------------------------------------------------------------
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())
+
+
+def _global_rank(peer: int, rank_type: RankType) -> int:
+    kind = _kind(rank_type)
+    members = runtime().group_ranks[kind]
+    if not 0 <= peer < len(members):
+        raise ValueError(f"{rank_type.name} {peer} does not exist: this rank's {kind.name} group has "
+                         f"{len(members)} member(s) {members}")
+    return members[peer]
+
+
+def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
+    """Send a picklable object to ``dest_rank`` (read as ``rank_type``); returns once received."""
+    dest = _global_rank(dest_rank, rank_type)
+    if dest == rank():
+        raise ValueError(f"smp.send to itself ({rank_type.name} {dest_rank} is this rank)")
+    payload = _encode(obj)
+    header = torch.tensor([payload.numel()], dtype=torch.int64)
+    wait(dist.isend(header, dest, tag=OBJECT_TAG), "send of an object header", dest)
+    if payload.numel():
+        wait(dist.isend(payload, dest, tag=OBJECT_TAG), "send of an object", dest)
+
+
+def recv_from(src_rank: int, rank_type: RankType) -> Any:
+    """Receive the object sent by ``src_rank`` (read as ``rank_type``) with send or broadcast."""
+    src = _global_rank(src_rank, rank_type)
+    header = torch.empty(1, dtype=torch.int64)
+    wait(dist.irecv(header, src, tag=OBJECT_TAG), "recv of an object header", src)
+    payload = torch.empty(int(header.item()), dtype=torch.uint8)
+    if payload.numel():
+        wait(dist.irecv(payload, src, tag=OBJECT_TAG), "recv of an object", src)
+    return _decode(payload)
+
+
+def broadcast(obj: Any, group: CommGroup) -> None:
+    """Send ``obj`` to every other member of ``group``; they call ``recv_from(this rank, ...)``."""
+    kind = _kind(group)
+    me = rank()
+    payload = _encode(obj)
+    header = torch.tensor([payload.numel()], dtype=torch.int64)
+    peers = [r for r in runtime().group_ranks[kind] if r != me]
+    works = [dist.isend(header, r, tag=OBJECT_TAG) for r in peers]
+    if payload.numel():
+        works += [dist.isend(payload, r, tag=OBJECT_TAG) for r in peers]
+    for w in works:
+        wait(w, f"broadcast over {kind.name}", peers)
+
+
+def allgather(obj: Any, group: CommGroup) -> list[Any]:
+    """Element i of the result is the object of the i-th member of ``group``."""
+    kind = _kind(group)
+    rt = runtime()
+    members = rt.group_ranks[kind]
+    if len(members) == 1:
+        return [obj]
+    pg = rt.groups[kind]
+    payload = _encode(obj)
+    n = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in members]
+    wait(dist.all_gather(sizes, n, group=pg, async_op=True), f"allgather over {kind.name}", members)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in members]
+    wait(dist.all_gather(out, padded, group=pg, async_op=True), f"allgather over {kind.name}", members)
+    # torch orders a subgroup's members by global rank; our group lists are in group-rank order.
+    by_global = dict(zip(sorted(members), zip(out, sizes)))
+    return [_decode(by_global[r][0][: int(by_global[r][1].item())]) for r in members]
+
+
+def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
+    """Like allgather, but only the member with group rank ``rank`` gets the list (others: None)."""
+    result = allgather(obj, group)
+    members = runtime().group_ranks[_kind(group)]
+    return result if members.index(smp_state.current().rank) == rank else None
+
+
+def barrier(group: CommGroup = CommGroup.WORLD) -> None:
+    """Wait until every member of ``group`` reaches the barrier."""
+    kind = _kind(group)
+    rt = runtime()
+    if len(rt.group_ranks[kind]) == 1:
+        return
+    t = torch.zeros(1)
+    wait(dist.all_reduce(t, group=rt.groups[kind], async_op=True), f"barrier over {kind.name}",
+         rt.group_ranks[kind])
+
+
+def pp_barrier() -> None:
+    barrier(CommGroup.PP_GROUP)
+
+
+def tp_barrier() -> None:
+    barrier(CommGroup.TP_GROUP)
+
+
+def dp_barrier() -> None:
+    barrier(CommGroup.DP_GROUP)
+
+
+def rdp_barrier() -> None:
+    barrier(CommGroup.RDP_GROUP)
+
+
+def mp_barrier() -> None:
+    barrier(CommGroup.MP_GROUP)

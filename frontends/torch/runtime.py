@@ -1,0 +1,186 @@
+"""`smp.init` for PyTorch: validate the config, rendezvous, build one process group per group kind.
+
+Order of work: detect the launch (no communication), resolve and validate the configuration
+(raises before any process group exists), initialise torch.distributed (gloo on CPU, NCCL
+alongside gloo when CUDA is available), then create the PP, TP, RDP, DP and MP groups from the
+rank map. Calling `init` again is a no-op (with a warning if the configuration differs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import smp.state as smp_state
+from smp.config import Config, resolve
+from smp.errors import NotInitializedError
+from smp.topology import GroupKind, RankMap
+
+from . import failure
+from .launch import Launch, detect
+
+logger = logging.getLogger("smp")
+
+
+@dataclass
+class TorchRuntime:
+    """The torch-specific part of the process state: launch facts, process groups, the store."""
+
+    launch: Launch
+    backend: str
+    device: torch.device
+    owns_default_group: bool
+    store: Any
+    groups: dict[GroupKind, Any] = field(default_factory=dict)
+    group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
+
+
+def _setup_logging(rank: int) -> None:
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[smp rank {rank}] %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("SMP_LOG_LEVEL", "INFO"))
+    logger.propagate = False
+
+
+def _backend() -> tuple[str, torch.device, int | None]:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        # Object messages travel as CPU tensors, hence gloo next to NCCL.
+        return "cpu:gloo,cuda:nccl", torch.device("cuda", torch.cuda.current_device()), None
+    return "gloo", torch.device("cpu"), None
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - an existing group created without a store (rare)
+        return None
+
+
+def init(config: Mapping[str, Any] | str | None = None) -> None:
+    """Initialise smp for PyTorch. Works under torchrun, mpirun/mpiexec, or as one process.
+
+    Args:
+        config: a dict of configuration keys, or the path of a JSON file. The environment variable
+            ``SM_HP_MP_PARAMETERS`` (JSON) overrides it key by key, as in SMP v1.
+
+    Raises:
+        SMPConfigError: listing every configuration problem, before any process group is created.
+
+    Example:
+        >>> import smp.torch as smp
+        >>> smp.init({"pipeline_parallel_degree": 1, "microbatches": 2})
+        >>> smp.num_microbatches()
+        2
+    """
+    state = smp_state.current()
+    if state.initialized:
+        again = resolve(config, world_size=state.cfg.world_size if state.cfg else None)
+        if state.cfg is not None and again.as_dict() != state.cfg.as_dict():
+            logger.warning("smp.init was already called; the new configuration is ignored (call smp.reset() first)")
+        return
+    launch = detect(dist_initialized=dist.is_available() and dist.is_initialized(),
+                    dist_rank=dist.get_rank() if dist.is_initialized() else 0,
+                    dist_world=dist.get_world_size() if dist.is_initialized() else 1)
+    cfg = resolve(config, world_size=launch.world_size, framework="torch")
+    rank_map = RankMap.from_world(launch.world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree,
+                                  cfg.placement_strategy)
+    _setup_logging(launch.rank)
+    timeout = timedelta(seconds=float(cfg.comm_timeout))
+    backend, device, _ = _backend()
+    owns = launch.kind != "existing"
+    if launch.kind == "single":
+        dist.init_process_group("gloo" if backend == "gloo" else backend, store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timeout)
+    elif owns:
+        dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+    store = _default_store()
+    rt = TorchRuntime(launch, backend, device, owns, store)
+    channel = failure.FailureChannel(dist.PrefixStore("smp", store) if store is not None else None, launch.rank,
+                                     float(cfg.comm_timeout))
+    failure.set_channel(channel)
+    channel.install_excepthook()
+    _create_groups(rt, rank_map, launch.rank)
+    os.environ.setdefault("RANK", str(launch.rank))
+    os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
+    smp_state.update(cfg=cfg, rank_map=rank_map, rank=launch.rank, local_rank=launch.local_rank,
+                     local_size=launch.local_size, framework="torch", runtime=rt)
+    if launch.rank == 0:
+        for note in cfg.notes:
+            logger.info(note)
+        logger.info("initialised: %d rank(s) via %s, pp=%d tp=%d rdp=%d, placement %s, backend %s",
+                    launch.world_size, launch.kind, rank_map.pp_size, rank_map.tp_size, rank_map.rdp_size,
+                    rank_map.placement, backend)
+
+
+def _create_groups(rt: TorchRuntime, rank_map: RankMap, rank: int) -> None:
+    """One process group per (kind, rank list); identical lists share one group."""
+    world = dist.group.WORLD
+    made: dict[tuple[int, ...], Any] = {tuple(range(rank_map.world_size)): world}
+    for kind in (GroupKind.PP, GroupKind.TP, GroupKind.RDP, GroupKind.DP, GroupKind.MP):
+        for ranks in rank_map.groups(kind):
+            key = tuple(sorted(ranks))
+            if key not in made:
+                # Every rank creates every group, in the same order (torch.distributed requires it).
+                made[key] = dist.new_group(list(key), backend=rt.backend if "nccl" in rt.backend else None)
+        mine = rank_map.group(kind, rank)
+        rt.groups[kind] = made[tuple(sorted(mine))]
+        rt.group_ranks[kind] = mine
+    rt.groups[GroupKind.WORLD] = world
+    rt.group_ranks[GroupKind.WORLD] = list(range(rank_map.world_size))
+
+
+def runtime() -> TorchRuntime:
+    """The torch runtime of this process; raises NotInitializedError before `init`."""
+    rt = smp_state.current().runtime
+    if not isinstance(rt, TorchRuntime):
+        raise NotInitializedError("smp is not initialised: call smp.init(config) first")
+    return rt
+
+
+def is_initialized() -> bool:
+    return isinstance(smp_state.current().runtime, TorchRuntime)
+
+
+def reset() -> None:
+    """Tear down what `init` built (process groups it created, the state), so `init` can run again."""
+    rt = smp_state.current().runtime
+    failure.set_channel(None)
+    if isinstance(rt, TorchRuntime) and dist.is_initialized():
+        if rt.owns_default_group:
+            dist.destroy_process_group()
+        else:
+            for kind, pg in rt.groups.items():
+                if kind != GroupKind.WORLD and pg is not dist.group.WORLD:
+                    try:
+                        dist.destroy_process_group(pg)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+    smp_state.reset()
+
+
+def shutdown() -> None:
+    """Release communication resources at exit (SMP v1 name)."""
+    reset()
+
+
+def config() -> Config:
+    cfg = smp_state.current().cfg
+    if cfg is None:
+        raise NotInitializedError("smp is not initialised: call smp.init(config) first")
+    return cfg

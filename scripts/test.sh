@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# README command 2: set up the pinned venv and run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/scripts/env.sh"
+cd "$root"
+# Exit code 5 (no tests collected) must fail too: pytest already returns non-zero for it.
+exec python -m pytest "$@"

@@ -1,0 +1,372 @@
+"""Resolve a configuration: merge the sources, check every key and cross-key rule, fill defaults.
+
+Sources, lowest precedence first: the dict (or JSON file path) given to ``smp.init``, then the
+``SM_HP_MP_PARAMETERS`` environment variable, which overrides key by key as in SMP v1.
+
+Every problem is collected and raised once, as one ``SMPConfigError`` (also a ``ValueError``),
+before any process group exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from smp.config.schema import ALIASES, KEYS, KEYS_BY_NAME, V2_ONLY_KEYS, Key
+from smp.errors import ConfigProblem, SMPConfigError
+
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """What the scheduler needs from the configuration (STYLE.md habit 6)."""
+
+    num_stages: int
+    num_microbatches: int
+    active_microbatches: int
+    schedule: str
+    virtual_stages: int
+
+
+@dataclass(frozen=True)
+class PartitionSection:
+    """What the partitioner needs from the configuration."""
+
+    num_stages: int
+    auto_partition: bool
+    default_partition: int | None
+    memory_weight: float
+    optimize: str
+    contiguous: bool
+    virtual_stages: int
+
+
+class Config:
+    """A resolved, validated configuration. Read keys as attributes: ``cfg.microbatches``.
+
+    Example:
+        >>> cfg = resolve({"partitions": 2, "microbatches": 4}, world_size=2)
+        >>> cfg.pipeline_parallel_degree, cfg.active_microbatches, cfg.memory_weight
+        (2, 4, 0.2)
+    """
+
+    __slots__ = ("_values", "notes", "world_size")
+
+    def __init__(self, values: Mapping[str, Any], notes: list[str], world_size: int | None) -> None:
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "notes", list(notes))
+        object.__setattr__(self, "world_size", world_size)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        if name in ALIASES:
+            return values[ALIASES[name]]
+        raise AttributeError(f"no configuration key {name!r}{_suggest(name)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a resolved Config is read-only; pass a new dict to smp.init instead")
+
+    def __getitem__(self, name: str) -> Any:
+        return self.__getattr__(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values or name in ALIASES
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"Config({self._values!r})"
+
+    @property
+    def rdp_size(self) -> int:
+        world = self.world_size or self.pipeline_parallel_degree * self.tensor_parallel_degree
+        return int(world // (self.pipeline_parallel_degree * self.tensor_parallel_degree))
+
+    def pipeline_section(self) -> PipelineSection:
+        return PipelineSection(
+            num_stages=self.pipeline_parallel_degree,
+            num_microbatches=self.microbatches,
+            active_microbatches=self.active_microbatches,
+            schedule=self.pipeline,
+            virtual_stages=self.virtual_stages,
+        )
+
+    def partition_section(self) -> PartitionSection:
+        return PartitionSection(
+            num_stages=self.pipeline_parallel_degree,
+            auto_partition=self.auto_partition,
+            default_partition=self.default_partition,
+            memory_weight=float(self.memory_weight),
+            optimize=self.optimize,
+            contiguous=self.contiguous,
+            virtual_stages=self.virtual_stages,
+        )
+
+
+def _suggest(name: str) -> str:
+    names = [k.name for k in KEYS] + list(ALIASES)
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_source(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    """Read the script-side source: a dict, a path to a JSON file, or None."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except FileNotFoundError:
+            raise SMPConfigError([ConfigProblem("config", path, "the configuration file does not exist",
+                                                "pass a dict or the path of a JSON file")]) from None
+        except json.JSONDecodeError as e:
+            raise SMPConfigError([ConfigProblem("config", path, f"not valid JSON ({e})",
+                                                "write the file as a JSON object of smp keys")]) from None
+        config = loaded
+    if not isinstance(config, Mapping):
+        raise SMPConfigError([ConfigProblem("config", config, "the configuration must be a JSON object / dict",
+                                            'pass e.g. {"pipeline_parallel_degree": 2}')])
+    return dict(config)
+
+
+def load_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read ``SM_HP_MP_PARAMETERS`` (a JSON object) if set."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_VAR)
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SMPConfigError([ConfigProblem(ENV_VAR, text, f"not valid JSON ({e})",
+                                            "set it to a JSON object of smp keys")]) from None
+    if not isinstance(value, dict):
+        raise SMPConfigError([ConfigProblem(ENV_VAR, text, "must be a JSON object",
+                                            'set it to e.g. {"partitions": 2}')])
+    return value
+
+
+def _canonical(source: Mapping[str, Any], origin: str, problems: list[ConfigProblem]) -> dict[str, Any]:
+    """Rename aliases to their key; flag an alias and its key given with different values."""
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for name, value in source.items():
+        if not isinstance(name, str):
+            problems.append(ConfigProblem(repr(name), value, "configuration keys are strings", "use the key name"))
+            continue
+        target = ALIASES.get(name, name)
+        if target in out and out[target] != value:
+            problems.append(ConfigProblem(
+                name, value, f"{origin} gives both {spelled[target]!r}={out[target]!r} and {name!r}={value!r}",
+                f"give only {target!r}"))
+            continue
+        out[target] = value
+        spelled[target] = name
+    return out
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def _check_key(key: Key, value: Any, resolved: Mapping[str, Any], problems: list[ConfigProblem]) -> bool:
+    if value is None and key.nullable:
+        return True
+    if type(value) not in key.types:
+        extra = " (bool is not accepted as a number, nor a number as a bool)" if (
+            isinstance(value, bool) or bool in key.types) else ""
+        problems.append(ConfigProblem(key.name, value, f"must be of type {_type_name(key.types)}, got "
+                                      f"{type(value).__name__}{extra}", f"write e.g. {key.name}: "
+                                      f"{_example(key, value, resolved)!r}"))
+        return False
+    if key.options is not None and value not in key.options:
+        close = difflib.get_close_matches(str(value), [str(o) for o in key.options], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(ConfigProblem(key.name, value, f"allowed values are {', '.join(map(repr, key.options))}",
+                                      f"{hint}use one of the allowed values"))
+        return False
+    if key.low is not None and value < key.low:
+        problems.append(ConfigProblem(key.name, value, f"must be >= {key.low:g}", f"use a value >= {key.low:g}"))
+        return False
+    if key.high is not None and value > key.high:
+        problems.append(ConfigProblem(key.name, value, f"must be <= {key.high:g}", f"use a value <= {key.high:g}"))
+        return False
+    if key.status == "unsupported" and value != key.default_for(resolved):
+        problems.append(ConfigProblem(key.name, value, "this feature is not implemented in smp",
+                                      f"remove the key or set it to {key.default_for(resolved)!r}"))
+        return False
+    return True
+
+
+def _example(key: Key, value: Any, resolved: Mapping[str, Any]) -> Any:
+    """A value of the right type: the user's value converted when that is unambiguous, else the default."""
+    if key.types[0] is bool and value in (0, 1) and type(value) is int:
+        return bool(value)
+    if key.types[0] is int and type(value) is float and value.is_integer():
+        return int(value)
+    if key.types[0] is int and type(value) is str and value.strip().isdigit():
+        return int(value)
+    default = key.default_for(resolved) if all(
+        n in resolved for n in ("pipeline_parallel_degree", "microbatches", "optimize")) or not callable(
+        key.default) else None
+    if default is not None:
+        return default
+    if key.options:
+        return key.options[0]
+    return {bool: True, int: 1, float: 1.0, str: "..."}[key.types[0]]
+
+
+def resolve(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    world_size: int | None = None,
+    framework: str = "torch",
+) -> Config:
+    """Merge the sources, validate everything, fill the defaults.
+
+    Args:
+        config: the script's dict, or a path to a JSON file, or None.
+        environ: environment to read ``SM_HP_MP_PARAMETERS`` from (default ``os.environ``).
+        world_size: the number of processes, when known; enables the world-size rules.
+        framework: ``"torch"`` or ``"tensorflow"`` (TF takes ``horovod`` for data parallelism).
+
+    Returns:
+        The resolved Config; ``Config.notes`` holds the log lines to print once on rank 0.
+
+    Raises:
+        SMPConfigError: listing every problem found.
+    """
+    problems: list[ConfigProblem] = []
+    script = _canonical(load_source(config), "the config dict", problems)
+    launcher = _canonical(load_env(environ), ENV_VAR, problems)
+    merged = {**script, **launcher}
+    notes: list[str] = []
+    overridden = sorted(k for k in launcher if k in script and script[k] != launcher[k])
+    if overridden:
+        notes.append(f"{ENV_VAR} overrides the script's value for: {', '.join(overridden)}")
+
+    for name in merged:
+        if name not in KEYS_BY_NAME:
+            problems.append(ConfigProblem(name, merged[name], f"unknown configuration key{_suggest(name)}",
+                                          "remove it or fix its spelling (see `smp config` for every key)"))
+
+    resolved: dict[str, Any] = {}
+    given: set[str] = set()
+    for key in KEYS:
+        if key.name in merged:
+            value = merged[key.name]
+            if _check_key(key, value, resolved, problems):
+                resolved[key.name] = value
+                given.add(key.name)
+                continue
+        resolved[key.name] = key.default_for(resolved)
+
+    _cross_rules(resolved, given, problems, notes, world_size, framework)
+    if problems:
+        raise SMPConfigError(problems)
+    for key in KEYS:
+        if key.status == "accepted" and key.name in given and resolved[key.name] != key.default_for(resolved):
+            notes.append(f"{key.name}={resolved[key.name]!r} is accepted for compatibility and has no effect in smp")
+    return Config(resolved, notes, world_size)
+
+
+def _cross_rules(
+    cfg: dict[str, Any],
+    given: set[str],
+    problems: list[ConfigProblem],
+    notes: list[str],
+    world_size: int | None,
+    framework: str,
+) -> None:
+    """The rules between keys (reference sections 1.2, 1.3 and 12)."""
+    pp, tp, mb = cfg["pipeline_parallel_degree"], cfg["tensor_parallel_degree"], cfg["microbatches"]
+    add = problems.append
+    v2_keys = sorted(given & V2_ONLY_KEYS)
+    if v2_keys and "ddp" not in given and framework == "torch":
+        # SMP v2 always shards data parallelism (FSDP); there is no ddp key to turn it on.
+        cfg["ddp"] = True
+        notes.append(f"SMP v2 keys ({', '.join(v2_keys)}) given: data parallelism is on (ddp: True), as in SMP v2")
+
+    if world_size is not None and type(pp) is int and type(tp) is int:
+        if pp * tp > world_size or world_size % (pp * tp):
+            add(ConfigProblem(
+                "pipeline_parallel_degree", pp,
+                f"world size {world_size} must be a multiple of pipeline_parallel_degree x tensor_parallel_degree "
+                f"= {pp} x {tp} = {pp * tp}",
+                f"launch a multiple of {pp * tp} processes, or change the degrees so that pp x tp divides {world_size}"))
+        elif world_size // (pp * tp) > 1 and not (cfg["ddp"] or cfg["horovod"]):
+            dp_key = "horovod" if framework == "tensorflow" else "ddp"
+            add(ConfigProblem(
+                dp_key, cfg[dp_key],
+                f"world size {world_size} = pp {pp} x tp {tp} x rdp {world_size // (pp * tp)}: more than one "
+                "model replica needs data parallelism", f"set {dp_key}: True (or launch {pp * tp} processes)"))
+    if tp > 1 and not cfg["ddp"] and framework == "torch":
+        add(ConfigProblem("tensor_parallel_degree", tp, "tensor parallelism requires ddp (as in SMP v1)",
+                          "set ddp: True"))
+    if tp > 1 and framework == "tensorflow":
+        add(ConfigProblem("tensor_parallel_degree", tp, "the TensorFlow frontend has no tensor parallelism",
+                          "set tensor_parallel_degree: 1"))
+    if cfg["ddp"] and cfg["horovod"]:
+        add(ConfigProblem("horovod", True, "ddp and horovod cannot both be on", "keep one of them"))
+    if cfg["fp16"] and cfg["bf16"]:
+        add(ConfigProblem("bf16", True, "fp16 and bf16 cannot both be on", "keep one of them"))
+    if cfg["bf16"] and cfg["fp16_params"]:
+        add(ConfigProblem("bf16", True, "bf16 requires fp16_params: False", "remove fp16_params"))
+    if "fp16_params" in given and cfg["fp16_params"]:
+        notes.append("fp16_params is deprecated; use fp16")
+    dp_part = cfg["default_partition"]
+    if dp_part is not None and type(pp) is int and dp_part >= pp:
+        add(ConfigProblem("default_partition", dp_part, f"must be < pipeline_parallel_degree ({pp})",
+                          f"use a partition index in 0..{pp - 1}"))
+    if not cfg["auto_partition"] and dp_part is None:
+        add(ConfigProblem("default_partition", None, "auto_partition: False requires default_partition",
+                          "add default_partition: 0 (the partition of modules you do not place)"))
+    if "active_microbatches" in given and type(mb) is int and cfg["active_microbatches"] > mb:
+        add(ConfigProblem("active_microbatches", cfg["active_microbatches"],
+                          f"must be <= microbatches ({mb})", f"use a value in 1..{mb}"))
+    if cfg["pipeline"] == "simple" and cfg["active_microbatches"] < mb:
+        # Reference section 12, conflict 12: SMP v1's code runs `interleaved` in this case.
+        notes.append(f"pipeline 'simple' with active_microbatches={cfg['active_microbatches']} < microbatches={mb} "
+                     "runs as 'interleaved', as SMP v1 does; set active_microbatches to microbatches for GPipe order")
+        cfg["pipeline"] = "interleaved"
+    for key in ("ddp_port",):
+        if key in given and cfg[key] is not None and not cfg["ddp"]:
+            add(ConfigProblem(key, cfg[key], "needs ddp: True", "set ddp: True or remove the key"))
+    if "ddp_dist_backend" in given and cfg["ddp_dist_backend"] != "auto" and not cfg["ddp"]:
+        add(ConfigProblem("ddp_dist_backend", cfg["ddp_dist_backend"], "needs ddp: True",
+                          "set ddp: True or remove the key"))
+    sdp = cfg["sharded_data_parallel_degree"]
+    if world_size is not None and sdp > 1 and type(pp) is int and world_size % (pp * tp) == 0:
+        dp = world_size // pp
+        if dp % sdp:
+            add(ConfigProblem("sharded_data_parallel_degree", sdp, f"must divide the DP degree ({dp})",
+                              f"use a divisor of {dp}"))
+    if cfg["prescaled_batch"] and cfg["optimize"] != "speed":
+        add(ConfigProblem("prescaled_batch", True, "requires optimize: 'speed' (as in SMP v1)",
+                          "set optimize: 'speed' or prescaled_batch: False"))
+    if cfg["herring"] and (cfg["ddp"] or cfg["horovod"]):
+        add(ConfigProblem("herring", True, "requires ddp and horovod off", "turn herring off"))
+    if cfg["_fp32_grad_accumulation"] and not (cfg["fp16"] or cfg["fp16_params"]):
+        add(ConfigProblem("_fp32_grad_accumulation", True, "requires fp16 or fp16_params", "turn it off"))
+    if cfg["checkpoint_attentions"] and type(pp) is int and pp > 1:
+        notes.append("checkpoint_attentions is turned off because pipeline_parallel_degree > 1 (as in SMP v1)")
+        cfg["checkpoint_attentions"] = False
+    vs = cfg["virtual_stages"]
+    if type(vs) is int and vs > 1 and cfg["pipeline"] not in ("interleaved_1f1b", "zb_v", "gpipe", "1f1b",
+                                                              "_only_forward"):
+        add(ConfigProblem("virtual_stages", vs, f"pipeline {cfg['pipeline']!r} runs one stage per rank",
+                          "use pipeline: 'interleaved_1f1b' or 'zb_v' with virtual stages, or virtual_stages: 1"))
+    if cfg["pipeline"] == "zb_v" and vs != 2:
+        add(ConfigProblem("virtual_stages", vs, "pipeline 'zb_v' places exactly 2 chunks per rank in a V",
+                          "set virtual_stages: 2"))

@@ -1,0 +1,88 @@
+"""The one exception hierarchy for user-facing errors (STYLE.md habit 12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "SMPError",
+    "SMPConfigError",
+    "SMPValidationError",
+    "SMPInvalidArgumentError",
+    "ConfigProblem",
+    "NotInitializedError",
+    "ScheduleError",
+    "PartitionError",
+    "CommTimeoutError",
+    "RemoteRankError",
+    "InvalidCommGroupError",
+]
+
+
+class SMPError(Exception):
+    """Base class of every error smp raises on purpose."""
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One problem found in a configuration: which key, what value, which rule, and the fix."""
+
+    key: str
+    value: object
+    rule: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.rule}. Fix: {self.fix}"
+
+
+class SMPConfigError(SMPError, ValueError):
+    """A configuration is invalid. Lists every problem at once.
+
+    Example:
+        >>> try:
+        ...     raise SMPConfigError([ConfigProblem("microbatches", 0, "must be >= 1", "use 1 or more")])
+        ... except ValueError as e:
+        ...     print(e.problems[0].key)
+        microbatches
+    """
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = list(problems)
+        lines = [f"invalid smp configuration ({len(self.problems)} problem(s)):"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+# SMP v1 names for the same error, so `except smp.exceptions.SMPValidationError` keeps working.
+SMPValidationError = SMPConfigError
+SMPInvalidArgumentError = SMPConfigError
+
+
+class NotInitializedError(SMPError, RuntimeError):
+    """A rank function was called before `smp.init()`."""
+
+
+class ScheduleError(SMPError, ValueError):
+    """A pipeline plan is invalid or cannot be built; the message shows the plan."""
+
+
+class PartitionError(SMPError, ValueError):
+    """A partition request is invalid or has no solution; the message shows the partition."""
+
+
+class CommTimeoutError(SMPError, TimeoutError):
+    """A wait on another rank ran past the communication timeout."""
+
+
+class RemoteRankError(SMPError, RuntimeError):
+    """Another rank failed; carries that rank and its original traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.remote_message = message
+        super().__init__(f"rank {rank} failed:\n{message}")
+
+
+class InvalidCommGroupError(SMPError, ValueError):
+    """A communication group argument is not one of the CommGroup values."""

@@ -1,0 +1,119 @@
+"""Spawn N CPU ranks for a test: gloo, file rendezvous (no port races), a timeout, tracebacks re-raised.
+
+Usage::
+
+    from tests.helpers.spawn import run_ranks
+
+    def body(x):                     # module level, so the spawned child can import it
+        import smp.torch as smp
+        smp.init({"pipeline_parallel_degree": 2})
+        return smp.pp_rank() * x
+
+    assert run_ranks(body, 2, args=(10,)) == [0, 10]
+
+Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and SMP_RENDEZVOUS_FILE, so
+``smp.init`` rendezvouses through a fresh file. A child's exception is published to the other ranks
+(they stop with RemoteRankError instead of hanging) and re-raised here with the child's traceback.
+A child still running after ``timeout`` seconds fails the test with the ranks that did not finish.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+DEFAULT_TIMEOUT = 120.0
+
+
+class RankFailure(AssertionError):
+    """A spawned rank raised, or the ranks did not finish in time."""
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str], args: Sequence[Any],
+           kwargs: Mapping[str, Any], results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world)})
+    try:
+        value = fn(*args, **kwargs)
+        results.put((rank, "ok", value))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        try:
+            from smp.torch import failure
+
+            failure.publish_failure(e)
+        except Exception:  # noqa: BLE001 - smp may not even import
+            pass
+        results.put((rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    expect_failure: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return their results by rank.
+
+    With ``expect_failure=True`` nothing is raised for failing ranks; the result list then holds, per
+    rank, either ``("ok", value)`` or ``("error", traceback_text)``; a timeout still raises.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="smp-test-") as tmp:
+        child_env = {"SMP_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), "OMP_NUM_THREADS": "1",
+                     "SMP_LOG_LEVEL": os.environ.get("SMP_LOG_LEVEL", "WARNING"), **(env or {})}
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, child_env, tuple(args), dict(kwargs or {}),
+                                                   results), daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(left, 0.5))
+                got[rank] = (status, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead and all(p.exitcode is not None for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in got]
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    if missing:
+        detail = "".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RankFailure(f"ranks {missing} did not finish within {timeout:g} s (exit codes {codes}){detail}")
+    if expect_failure:
+        return [got[r] for r in range(world_size)]
+    if errors:
+        first = min(errors)
+        others = "".join(f"\n--- rank {r} also raised:\n{errors[r]}" for r in sorted(errors) if r != first)
+        raise RankFailure(f"rank {first} raised:\n{errors[first]}{others}")
+    return [got[r][1] for r in range(world_size)]
