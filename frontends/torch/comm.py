@@ -242,19 +242,19 @@ def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
         raise ValueError(f"smp.send to itself ({rank_type.name} {dest_rank} is this rank)")
     payload = _encode(obj)
     header = torch.tensor([payload.numel()], dtype=torch.int64)
-    wait(dist.isend(header, dest, tag=OBJECT_TAG), "send of an object header", dest)
+    wait(dist.isend(header, dest, tag=OBJECT_TAG), "send of an object header", dest, p2p=True)
     if payload.numel():
-        wait(dist.isend(payload, dest, tag=OBJECT_TAG), "send of an object", dest)
+        wait(dist.isend(payload, dest, tag=OBJECT_TAG), "send of an object", dest, p2p=True)
 
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
     """Receive the object sent by ``src_rank`` (read as ``rank_type``) with send or broadcast."""
     src = _global_rank(src_rank, rank_type)
     header = torch.empty(1, dtype=torch.int64)
-    wait(dist.irecv(header, src, tag=OBJECT_TAG), "recv of an object header", src)
+    wait(dist.irecv(header, src, tag=OBJECT_TAG), "recv of an object header", src, p2p=True)
     payload = torch.empty(int(header.item()), dtype=torch.uint8)
     if payload.numel():
-        wait(dist.irecv(payload, src, tag=OBJECT_TAG), "recv of an object", src)
+        wait(dist.irecv(payload, src, tag=OBJECT_TAG), "recv of an object", src, p2p=True)
     return _decode(payload)
 
 
@@ -269,7 +269,7 @@ def broadcast(obj: Any, group: CommGroup) -> None:
     if payload.numel():
         works += [dist.isend(payload, r, tag=OBJECT_TAG) for r in peers]
     for w in works:
-        wait(w, f"broadcast over {kind.name}", peers)
+        wait(w, f"broadcast over {kind.name}", peers, p2p=True)
 
 
 def allgather(obj: Any, group: CommGroup) -> list[Any]:

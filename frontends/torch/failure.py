@@ -9,7 +9,9 @@ others stop with `RemoteRankError` naming that rank instead of hanging.
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -113,18 +115,81 @@ def publish_failure(exc: BaseException | None = None) -> None:
     _channel.publish(text)
 
 
-def wait(work: _Work, what: str, peers: object, timeout_s: float | None = None) -> Any:
+class _Waiter:
+    """A daemon thread that blocks on point-to-point work handles for the caller.
+
+    gloo's send/recv handles never report completion through ``is_completed()`` and a ``wait`` with
+    a timeout tears the connection down, so the blocking wait runs here while the caller polls an
+    event, the deadline and the failure store.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[_Work, threading.Event, list[BaseException]]] = queue.SimpleQueue()
+        self.busy_since: float | None = None
+        threading.Thread(target=self._run, name="smp-p2p-waiter", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            work, done, errors = self.jobs.get()
+            self.busy_since = time.monotonic()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+            self.busy_since = None
+            done.set()
+
+
+_waiter: _Waiter | None = None
+_waiter_lock = threading.Lock()
+
+
+def _p2p_waiter() -> _Waiter:
+    global _waiter
+    with _waiter_lock:
+        if _waiter is None or _waiter.busy_since is not None:
+            # A waiter still blocked on an earlier handle (after a timeout) is abandoned.
+            _waiter = _Waiter()
+        return _waiter
+
+
+def _timeout_error(what: str, peers: object, limit: float) -> CommTimeoutError:
+    ch = _channel
+    me = f"rank {ch.rank}" if ch else "this rank"
+    return CommTimeoutError(
+        f"{me}: {what} with rank(s) {peers} did not complete within {limit:g} s "
+        "(the comm_timeout config key sets this limit); a peer is probably stuck or waiting for a "
+        "different operation")
+
+
+def wait(work: _Work, what: str, peers: object, timeout_s: float | None = None, *, p2p: bool = False) -> Any:
     """Wait for a torch.distributed work handle with a timeout and failure detection.
 
     Args:
-        work: the handle returned by an ``async_op=True`` call, ``isend`` or ``irecv``.
+        work: the handle returned by an ``async_op=True`` collective, ``isend`` or ``irecv``.
         what: the operation, for the error message ("recv of an object").
         peers: the rank(s) involved, for the error message.
         timeout_s: overrides the configured communication timeout.
+        p2p: the handle is a point-to-point send/recv (waited on by a helper thread).
     """
     ch = _channel
     limit = timeout_s if timeout_s is not None else (ch.timeout_s if ch else 300.0)
     start = time.monotonic()
+    if p2p:
+        done = threading.Event()
+        errors: list[BaseException] = []
+        _p2p_waiter().jobs.put((work, done, errors))
+        while not done.wait(_CHECK_EVERY_S):
+            if ch is not None:
+                ch.check()
+            if time.monotonic() - start > limit:
+                raise _timeout_error(what, peers, limit)
+        if errors:
+            if ch is not None:
+                time.sleep(0.2)  # give a crashing peer the moment it needs to publish its error
+                ch.check()
+            raise errors[0]
+        return None
     next_check = start + _CHECK_EVERY_S
     pause = 0.0
     while not work.is_completed():
@@ -134,12 +199,8 @@ def wait(work: _Work, what: str, peers: object, timeout_s: float | None = None) 
                 ch.check()
             next_check = now + _CHECK_EVERY_S
         if now - start > limit:
-            me = f"rank {ch.rank}" if ch else "this rank"
-            raise CommTimeoutError(
-                f"{me}: {what} with rank(s) {peers} did not complete within {limit:g} s "
-                "(the comm_timeout config key sets this limit); a peer is probably stuck or waiting for a "
-                "different operation")
-        # Spin briefly (p2p latency matters in the pipeline), then back off to at most 2 ms.
+            raise _timeout_error(what, peers, limit)
+        # Spin briefly, then back off to at most 2 ms.
         if pause:
             time.sleep(pause)
         pause = min(0.002, pause * 2 if pause else 0.00005) if now - start > 0.001 else 0.0

@@ -99,7 +99,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     rank_map = RankMap.from_world(launch.world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree,
                                   cfg.placement_strategy)
     _setup_logging(launch.rank)
-    timeout = timedelta(seconds=float(cfg.comm_timeout))
+    # torch's own limit sits above ours, so smp's clearer timeout error (naming op and peers) fires first.
+    timeout = timedelta(seconds=float(cfg.comm_timeout) * 1.5 + 10)
     backend, device, _ = _backend()
     owns = launch.kind != "existing"
     if launch.kind == "single":

@@ -19,6 +19,7 @@ A child still running after ``timeout`` seconds fails the test with the ranks th
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -36,7 +37,9 @@ class RankFailure(AssertionError):
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str], args: Sequence[Any],
-           kwargs: Mapping[str, Any], results: Any) -> None:
+           kwargs: Mapping[str, Any], results: Any, timeout: float) -> None:
+    # A rank still running shortly before the parent gives up prints where it is stuck.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world)})
@@ -82,7 +85,7 @@ def run_ranks(
         child_env = {"SMP_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), "OMP_NUM_THREADS": "1",
                      "SMP_LOG_LEVEL": os.environ.get("SMP_LOG_LEVEL", "WARNING"), **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, child_env, tuple(args), dict(kwargs or {}),
-                                                   results), daemon=True) for r in range(world_size)]
+                                                   results, timeout), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         got: dict[int, tuple[str, Any]] = {}

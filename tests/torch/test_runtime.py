@@ -1,0 +1,165 @@
+"""smp.torch init, rank API, groups and object communication on real gloo process groups."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.spawn import RankFailure, run_ranks
+
+
+def test_single_process_init_and_rank_api() -> None:
+    import smp.torch as smp
+
+    assert not smp.is_initialized()
+    assert smp.pp_size() == 1 and smp.dp_size() == 1  # sizes are 1 before init (SMP v1)
+    with pytest.raises(smp.exceptions.NotInitializedError):
+        smp.rank()
+    smp.init({"microbatches": 2})
+    assert (smp.rank(), smp.size(), smp.pp_rank(), smp.tp_rank(), smp.dp_rank(), smp.mp_rank()) == (0, 1, 0, 0, 0, 0)
+    assert smp.num_microbatches() == 2 and smp.state.cfg.microbatches == 2
+    assert smp.get_dp_group() == [0] and smp.get_mp_group() == [0]
+    assert smp.allgather("x", smp.WORLD) == ["x"]
+    smp.barrier()
+    smp.init({"microbatches": 2})  # idempotent
+    with pytest.raises(smp.exceptions.DDPNotEnabledError, match="ddp: True"):
+        smp.get_dp_process_group()
+    assert smp.get_mp_process_group() is not None
+    with pytest.raises(smp.exceptions.InvalidCommGroupError):
+        smp.barrier(3)  # type: ignore[arg-type]
+
+
+def test_config_error_before_any_process_group() -> None:
+    import torch.distributed as dist
+
+    import smp.torch as smp
+
+    with pytest.raises(ValueError, match="microbatches"):
+        smp.init({"microbatches": 0})
+    assert not dist.is_initialized()
+
+
+def _layout(config: dict) -> dict:
+    import smp.torch as smp
+
+    smp.init(config)
+    return {
+        "ranks": (smp.rank(), smp.pp_rank(), smp.tp_rank(), smp.rdp_rank(), smp.dp_rank(), smp.mp_rank()),
+        "sizes": (smp.size(), smp.pp_size(), smp.tp_size(), smp.rdp_size(), smp.dp_size(), smp.mp_size()),
+        "groups": (smp.get_pp_group(), smp.get_tp_group(), smp.get_rdp_group(), smp.get_dp_group(),
+                   smp.get_mp_group()),
+        "dp_allgather": smp.allgather(smp.rank(), smp.DP_GROUP),
+        "tp_allgather": smp.allgather(smp.rank(), smp.TP_GROUP),
+        "pg_sizes": [pg.size() for pg in (smp.get_pp_process_group(), smp.get_tp_process_group(),
+                                          smp.get_rdp_process_group(), smp.get_dp_process_group(),
+                                          smp.get_mp_process_group())],
+    }
+
+
+def test_four_ranks_pp2_tp2_groups_match_the_rank_map() -> None:
+    from smp.topology import GroupKind, RankMap
+
+    results = run_ranks(_layout, 4, args=({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                                           "ddp": True, "placement_strategy": "spread"},))
+    rm = RankMap(2, 2, 1, "spread")
+    for r, res in enumerate(results):
+        c = rm.coord(r)
+        assert res["ranks"] == (r, c.pp_rank, c.tp_rank, c.rdp_rank, c.dp_rank, c.mp_rank)
+        assert res["sizes"] == (4, 2, 2, 1, 2, 4)
+        want = tuple(rm.group(k, r) for k in (GroupKind.PP, GroupKind.TP, GroupKind.RDP, GroupKind.DP, GroupKind.MP))
+        assert res["groups"] == want
+        assert res["dp_allgather"] == rm.group(GroupKind.DP, r)  # element i from the i-th member
+        assert res["tp_allgather"] == rm.group(GroupKind.TP, r)
+        assert res["pg_sizes"] == [2, 2, 1, 2, 4]
+
+
+def _p2p() -> list:
+    import torch
+
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "ddp": True})
+    out = []
+    if smp.pp_rank() == 0:
+        smp.send({"t": torch.arange(3), "s": "hi"}, 1, smp.RankType.PP_RANK)
+        if smp.rank() == 0:
+            smp.broadcast([smp.rank(), "all"], smp.WORLD)
+    else:
+        got = smp.recv_from(0, smp.RankType.PP_RANK)
+        out.append((got["t"].tolist(), got["s"]))
+    if smp.rank() != 0:
+        out.append(smp.recv_from(0, smp.RankType.WORLD_RANK))
+    gathered = smp.gather(smp.rank() * 10, smp.WORLD, rank=0)
+    out.append(gathered)
+    big = smp.allgather(torch.full((1000,), float(smp.rank())), smp.WORLD)
+    out.append([float(t.sum()) for t in big])
+    smp.pp_barrier(); smp.dp_barrier(); smp.mp_barrier(); smp.tp_barrier(); smp.rdp_barrier()
+    return out
+
+
+def test_object_primitives_across_four_ranks() -> None:
+    res = run_ranks(_p2p, 4, timeout=60)
+    # cluster placement with pp=2: pipelines {0,1} and {2,3}.
+    assert res[0] == [[0, 10, 20, 30], [0.0, 1000.0, 2000.0, 3000.0]]
+    assert res[1][:2] == [([0, 1, 2], "hi"), [0, "all"]]
+    assert res[1][2] is None and res[3][2] is None
+    assert res[3][0] == ([0, 1, 2], "hi")
+
+
+def _fail_on_rank_1() -> str:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "comm_timeout": 60.0})
+    if smp.rank() == 1:
+        raise ValueError("boom in user code on rank 1")
+    start = time.monotonic()
+    try:
+        smp.barrier()
+    except smp.exceptions.RemoteRankError as e:
+        assert e.rank == 1 and "boom in user code" in str(e)
+        return f"stopped after {time.monotonic() - start:.1f}s"
+    return "barrier returned"
+
+
+def test_failure_on_one_rank_stops_the_others_with_its_error() -> None:
+    res = run_ranks(_fail_on_rank_1, 2, expect_failure=True, timeout=60)
+    assert res[1][0] == "error" and "boom in user code on rank 1" in res[1][1]
+    assert res[0][0] == "ok" and res[0][1].startswith("stopped after")
+    assert float(res[0][1].split()[-1][:-1]) < 30  # far below the 60 s comm timeout
+
+
+def _wait_for_nobody() -> None:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "comm_timeout": 2.0})
+    if smp.rank() == 0:
+        smp.recv_from(1, smp.RankType.PP_RANK)  # rank 1 never sends
+    else:
+        time.sleep(4)
+
+
+def test_a_wait_times_out_with_a_message_naming_the_peer() -> None:
+    res = run_ranks(_wait_for_nobody, 2, expect_failure=True, timeout=60)
+    assert res[0][0] == "error"
+    assert "CommTimeoutError" in res[0][1] and "rank(s) 1" in res[0][1] and "comm_timeout" in res[0][1]
+
+
+def _raise_everywhere() -> None:
+    raise RuntimeError("plain failure")
+
+
+def test_harness_reraises_child_traceback() -> None:
+    with pytest.raises(RankFailure, match="plain failure"):
+        run_ranks(_raise_everywhere, 2)
+
+
+def _hang() -> None:
+    time.sleep(600)
+
+
+def test_harness_times_out_instead_of_hanging() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish within 3 s"):
+        run_ranks(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 30
