@@ -50,11 +50,28 @@ from .comm import (
     tp_rank,
     tp_size,
 )
+from .model import DistributedModel
+from .optimizer import DistributedOptimizer
+from .partition import partition, set_partition
 from .runtime import init, is_initialized, reset, shutdown
+from .step import StepOutput, step
+
+
+def is_tracing() -> bool:
+    """True while rank 0 traces the model for automatic partitioning (models may skip work then)."""
+    model = _state_mod.current().model
+    return bool(model is not None and model._tracing)
 
 state = _state_mod.current()
 
 __all__ = [
+    "DistributedModel",
+    "DistributedOptimizer",
+    "StepOutput",
+    "is_tracing",
+    "partition",
+    "set_partition",
+    "step",
     "DP_GROUP",
     "MP_GROUP",
     "PP_GROUP",

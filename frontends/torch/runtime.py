@@ -40,6 +40,7 @@ class TorchRuntime:
     store: Any
     groups: dict[GroupKind, Any] = field(default_factory=dict)
     group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
+    engine_group: Any = None  # a PP group of its own for pipeline messages
 
 
 def _setup_logging(rank: int) -> None:
@@ -144,6 +145,11 @@ def _create_groups(rt: TorchRuntime, rank_map: RankMap, rank: int) -> None:
         rt.group_ranks[kind] = mine
     rt.groups[GroupKind.WORLD] = world
     rt.group_ranks[GroupKind.WORLD] = list(range(rank_map.world_size))
+    # The pipeline engine gets its own PP groups so its messages never mix with user collectives.
+    for ranks in rank_map.groups(GroupKind.PP):
+        pg = dist.new_group(sorted(ranks)) if rank_map.world_size > 1 else world
+        if rank in ranks:
+            rt.engine_group = pg
 
 
 def runtime() -> TorchRuntime:

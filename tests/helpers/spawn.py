@@ -22,6 +22,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -45,7 +46,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str]
                        "LOCAL_WORLD_SIZE": str(world)})
     try:
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle: torch's queue pickler would share tensor storage through the child's file
+        # descriptors, which vanish when the child exits.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         try:
             from smp.torch import failure
@@ -96,7 +99,7 @@ def run_ranks(
                 break
             try:
                 rank, status, value = results.get(timeout=min(left, 0.5))
-                got[rank] = (status, value)
+                got[rank] = (status, pickle.loads(value) if status == "ok" else value)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
                 if dead and all(p.exitcode is not None for p in procs):

@@ -1,0 +1,1 @@
+"""The pipeline engine: wire format, baton scheduling, leader/follower execution."""

@@ -1,0 +1,154 @@
+"""Which microbatch runs next on this rank: follow a static plan, or SMP v1's dynamic rule.
+
+Microbatches are tasks (threads); each needs the rank's baton to run an *action*: everything a
+microbatch does on this rank between control arriving (a request, a reply, the step body starting,
+``model.backward``) and control leaving. Only the baton holder runs.
+
+- Plan mode: the baton goes to the task whose (kind, microbatch) is the next action of this rank's
+  plan, in order. A task asking for an action its microbatch's planned sequence does not have next
+  (the model visited ranks in another order than the recorded chain) switches the rank to
+  dynamic mode, and the engine tells its peers.
+- Dynamic mode (SMP v1): ``interleaved`` runs a ready backward first, then forwards, lowest
+  microbatch first, admitting new microbatches while fewer than ``active_microbatches`` are in
+  flight; ``simple`` runs forwards first and admits microbatches in windows of ``active_microbatches``.
+
+Framework-free on purpose: it only sees (kind, microbatch) pairs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from smp.errors import CommTimeoutError
+
+FORWARD, BACKWARD = "F", "B"
+
+
+class Baton:
+    """The per-rank run token and the policy that hands it out.
+
+    Args:
+        plan: this rank's actions as (kind, microbatch) pairs, or None for dynamic mode.
+        policy: "interleaved" or "simple" (dynamic mode and fallback).
+        active_microbatches: the in-flight cap for admitting new microbatches (leader only).
+        timeout_s: longest wait for the baton before failing (a plan that cannot progress).
+        on_fallback: called once when plan mode turns dynamic (with the reason).
+    """
+
+    def __init__(self, plan: Sequence[tuple[str, int]] | None, policy: str, active_microbatches: int,
+                 timeout_s: float, on_fallback: Callable[[str], None] | None = None) -> None:
+        self._cv = threading.Condition()
+        self.plan = list(plan) if plan is not None else None
+        self.policy = policy
+        self.active = max(1, active_microbatches)
+        self.timeout_s = timeout_s
+        self.on_fallback = on_fallback
+        self.cursor = 0
+        self.holder: int | None = None
+        self.waiting: dict[int, tuple[str, bool]] = {}
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
+        self.order: list[tuple[str, int]] = []  # what actually ran, for tests and timelines
+        self.fallback_reason: str | None = None
+        self._expected: dict[int, list[str]] = {}
+        if self.plan is not None:
+            for kind, mb in self.plan:
+                self._expected.setdefault(mb, []).append(kind)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.plan is None
+
+    def go_dynamic(self, reason: str) -> None:
+        with self._cv:
+            self._go_dynamic_locked(reason, notify_peers=False)
+
+    def _go_dynamic_locked(self, reason: str, notify_peers: bool) -> None:
+        if self.plan is None:
+            return
+        self.plan = None
+        self.fallback_reason = reason
+        self._cv.notify_all()
+        if notify_peers and self.on_fallback is not None:
+            self.on_fallback(reason)
+
+    def _plan_allows(self, kind: str, mb: int) -> bool:
+        assert self.plan is not None
+        if self.cursor >= len(self.plan):
+            self._go_dynamic_locked(f"microbatch {mb} asked for {kind} after the plan ended", True)
+            return False
+        return self.plan[self.cursor] == (kind, mb)
+
+    def _check_expected(self, kind: str, mb: int) -> None:
+        expected = self._expected.get(mb)
+        if not expected or expected[0] != kind:
+            want = expected[0] if expected else "nothing"
+            self._go_dynamic_locked(f"microbatch {mb} asked for {kind} where the plan expects {want}", True)
+        else:
+            expected.pop(0)
+
+    def _dynamic_allows(self, kind: str, mb: int, new: bool) -> bool:
+        if new:
+            in_flight = len(self.started - self.finished)
+            if self.policy == "simple":
+                unfinished = [m for m in self.started if m not in self.finished]
+                window = (min(unfinished) if unfinished else mb) // self.active
+                if mb // self.active != window and unfinished:
+                    return False
+                if in_flight >= self.active:
+                    return False
+            elif in_flight >= self.active:
+                return False
+        first = BACKWARD if self.policy != "simple" else FORWARD
+        mine = (0 if kind == first else 1, mb)
+        for other, (okind, onew) in self.waiting.items():
+            if other == mb:
+                continue
+            if onew and not self._admissible(other):
+                continue
+            if (0 if okind == first else 1, other) < mine:
+                return False
+        return True
+
+    def _admissible(self, mb: int) -> bool:
+        in_flight = len(self.started - self.finished)
+        return in_flight < self.active
+
+    def acquire(self, kind: str, mb: int, *, new: bool = False) -> None:
+        """Block until microbatch ``mb`` may run its next ``kind`` action on this rank."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            if self.plan is not None:
+                self._check_expected(kind, mb)
+            self.waiting[mb] = (kind, new)
+            try:
+                while True:
+                    if self.holder is None:
+                        if self.plan is not None:
+                            if self._plan_allows(kind, mb):
+                                self.cursor += 1
+                                break
+                        elif self._dynamic_allows(kind, mb, new):
+                            break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CommTimeoutError(
+                            f"microbatch {mb} waited {self.timeout_s:g} s to run {kind} on this rank "
+                            f"(plan position {self.cursor}, holder {self.holder}, waiting {sorted(self.waiting)})")
+                    self._cv.wait(min(left, 1.0))
+            finally:
+                del self.waiting[mb]
+            self.holder = mb
+            if new:
+                self.started.add(mb)
+            self.order.append((kind, mb))
+
+    def release(self, *, finished: bool = False) -> None:
+        """Give the baton back; ``finished`` marks the holder's microbatch as done (leader)."""
+        with self._cv:
+            if finished and self.holder is not None:
+                self.finished.add(self.holder)
+            self.holder = None
+            self._cv.notify_all()

@@ -1,0 +1,162 @@
+"""Messages between pipeline ranks: a kind, a picklable skeleton, and the tensors sent raw.
+
+A message is a fixed header (int64 x 4: kind, skeleton bytes, tensor count, microbatch), the
+pickled skeleton (the structure with every tensor replaced by a `Slot`), then each tensor as is.
+One receiver thread per rank takes messages from any pipeline peer (gloo receive-from-any on the
+engine's own process group and tag) and queues them; senders hold a per-destination lock so the
+parts of two messages never interleave.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TAG = 0x51D
+HEADER = 4
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Stands for the i-th tensor of a message inside its skeleton."""
+
+    index: int
+    requires_grad: bool
+
+
+def map_structure(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Apply ``leaf`` to every non-container value of nested tuples, lists, dicts and dataclasses.
+
+    Container types are kept (namedtuples, OrderedDict, Hugging Face ``ModelOutput``).
+    """
+    if isinstance(obj, (Slot, torch.Tensor)):
+        return leaf(obj)
+    if isinstance(obj, tuple):
+        items = [map_structure(x, leaf) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_structure(x, leaf) for x in obj]
+    if isinstance(obj, dict):
+        mapped = {k: map_structure(v, leaf) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        try:
+            return type(obj)(**mapped) if is_dataclass(obj) else type(obj)(mapped)
+        except TypeError:
+            return mapped
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: map_structure(getattr(obj, f.name), leaf) for f in fields(obj)})
+    return leaf(obj)
+
+
+def pack(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``obj`` into a skeleton (tensors replaced by Slots) and the list of tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return Slot(len(tensors) - 1, x.requires_grad)
+        return x
+
+    return map_structure(obj, leaf), tensors
+
+
+def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    return map_structure(skeleton, lambda x: tensors[x.index] if isinstance(x, Slot) else x)
+
+
+@dataclass
+class Message:
+    kind: int
+    src: int
+    microbatch: int
+    body: Any
+    tensors: list[torch.Tensor]
+    src_pp: int = -1
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class Transport:
+    """Sends and receives `Message`s among the ranks of one pipeline."""
+
+    def __init__(self, group: Any, peers: list[int], me: int) -> None:
+        self.group = group
+        self.peers = [p for p in peers if p != me]
+        self.me = me
+        self.inbox: queue.SimpleQueue[Message | BaseException] = queue.SimpleQueue()
+        self._locks = {p: threading.Lock() for p in self.peers}
+        self._thread: threading.Thread | None = None
+        self.bytes_sent = 0
+
+    def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: list[torch.Tensor] = ()) -> None:  # type: ignore[assignment]
+        specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
+        raw = pickle.dumps((body, specs), protocol=pickle.HIGHEST_PROTOCOL)
+        header = torch.tensor([kind, len(raw), len(tensors), microbatch], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        with self._locks[dst]:
+            dist.send(header, dst, group=self.group, tag=TAG)
+            dist.send(payload, dst, group=self.group, tag=TAG)
+            for t in tensors:
+                t = t.detach()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                if t.numel():
+                    dist.send(t, dst, group=self.group, tag=TAG)
+                self.bytes_sent += t.numel() * t.element_size()
+
+    def _receive_one(self) -> Message:
+        header = torch.empty(HEADER, dtype=torch.int64)
+        src = dist.recv(header, None, group=self.group, tag=TAG)
+        kind, nbytes, ntensors, microbatch = (int(x) for x in header.tolist())
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(payload, src, group=self.group, tag=TAG)
+        body, specs = pickle.loads(payload.numpy().tobytes())
+        tensors = []
+        for shape, code in specs[:ntensors]:
+            t = torch.empty(shape, dtype=_DTYPES[code])
+            if t.numel():
+                dist.recv(t, src, group=self.group, tag=TAG)
+            tensors.append(t)
+        return Message(kind, src, microbatch, body, tensors)
+
+    def start(self, stop_kind: int) -> None:
+        """Start the receiver; it ends after one ``stop_kind`` message from every peer."""
+        if not self.peers:
+            return
+
+        def run() -> None:
+            stopped = 0
+            try:
+                while stopped < len(self.peers):
+                    msg = self._receive_one()
+                    if msg.kind == stop_kind:
+                        stopped += 1
+                        continue
+                    self.inbox.put(msg)
+            except BaseException as e:  # noqa: BLE001 - handed to the engine's dispatcher
+                self.inbox.put(e)
+
+        self._thread = threading.Thread(target=run, name="smp-pipeline-receiver", daemon=True)
+        self._thread.start()
+
+    def stop(self, stop_kind: int, timeout: float) -> None:
+        """Tell every peer this rank sends nothing more this step, then wait for our receiver."""
+        for p in self.peers:
+            self.send(p, stop_kind, -1, None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError("the pipeline receiver did not stop: a peer did not finish the step")
+            self._thread = None

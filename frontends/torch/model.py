@@ -1,0 +1,439 @@
+"""`smp.DistributedModel`: partitions a module across the pipeline and runs it through the engine.
+
+At wrap time nothing moves. On the first step (pp > 1) the partition is decided — manual
+(`smp.partition`, `smp.set_partition`, ``default_partition``) or automatic (rank 0 traces one
+microbatch, the core partitions the lowered tree, the decision is broadcast) — then every rank
+keeps only its modules' parameters, parameters and buffers are broadcast from DP rank 0, the
+post-partition hooks run and deferred ``load_state_dict`` calls apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import smp.state as smp_state
+from smp.errors import NotInitializedError, SMPError
+from smp.topology import GroupKind
+
+from . import partition as partition_mod
+from .engine.engine import Engine, current_task
+from .engine.wire import Transport
+from .failure import wait
+from .runtime import runtime
+
+logger = logging.getLogger("smp")
+
+
+class FwdExecutionNotInStepFnError(SMPError, RuntimeError):
+    """``model(...)`` outside an ``@smp.step`` function with pipeline_parallel_degree > 1."""
+
+
+class BwdExecutionNotInStepFnError(SMPError, RuntimeError):
+    """``model.backward`` outside an ``@smp.step`` function."""
+
+
+class ModelNotPartitionedError(SMPError, RuntimeError):
+    """A local_* method was called before the first step partitioned the model."""
+
+
+class MultipleDistributedModelError(SMPError, RuntimeError):
+    """A second DistributedModel in one process."""
+
+
+class _Handle:
+    """Removes a registered hook (like torch.utils.hooks.RemovableHandle)."""
+
+    def __init__(self, hooks: list[Callable[..., Any]], hook: Callable[..., Any]) -> None:
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class DistributedModel(nn.Module):
+    """Wraps a model for pipeline, tensor and data parallelism (SMP v1 signature).
+
+    Example:
+        >>> model = smp.DistributedModel(Net())
+        >>> optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    """
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 trace_memory_usage: bool = False, overlapping_allreduce: bool = True,
+                 backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
+                 bucket_cap_mb: int = 25, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
+        st = smp_state.current()
+        if st.cfg is None:
+            raise NotInitializedError("call smp.init(config) before smp.DistributedModel(...)")
+        if st.model is not None:
+            raise MultipleDistributedModelError("only one smp.DistributedModel per process (as in SMP v1)")
+        if trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device={trace_device!r}: use 'cpu' or 'gpu'")
+        if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        super().__init__()
+        self.module = module
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times
+        self.overlapping_allreduce = overlapping_allreduce
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_cap_mb = bucket_cap_mb
+        self.broadcast_buffers = broadcast_buffers
+        self._cfg = st.cfg
+        self._pp_rank = st.rank_map.coord(st.rank).pp_rank if st.rank_map else 0
+        self._owner: dict[str, int] = {}
+        self._partition: Any = None
+        self._partitioned = False
+        self._engine: Engine | None = None
+        self._orig_forward: dict[str, Callable[..., Any]] = {}
+        self._post_partition_hooks: list[Callable[..., Any]] = []
+        self._post_step_hooks: list[Callable[..., Any]] = []
+        self._pending_loads: list[tuple[dict[str, Any], bool]] = []
+        self._in_step = False
+        self._tracing = False
+        self._steps = 0
+        self._plans: dict[Any, tuple[list[int], bool]] = {}
+        self.last_timeline: list[Any] = []
+        st.model = self
+        if self._cfg.pipeline_parallel_degree == 1:
+            self._apply_partition({p: 0 for p, _ in module.named_modules()}, None)
+
+    # --- properties and accessors -----------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def _require_partition(self) -> None:
+        if not self._partitioned:
+            raise ModelNotPartitionedError("the model is partitioned on the first smp.step call; call this after it")
+
+    def _is_local(self, path: str) -> bool:
+        return self._owner.get(path, 0) == self._pp_rank
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        self._require_partition()
+        for path, m in self.module.named_modules():
+            if self._is_local(path):
+                yield path, m
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        for _, m in self.local_named_modules():
+            yield m
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self._require_partition()
+        seen: set[int] = set()
+        for path, m in self.module.named_modules():
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in seen or not self._param_is_local(p):
+                    continue
+                seen.add(id(p))
+                yield (f"{path}.{name}" if path else name), p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.local_named_parameters():
+            yield p
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._require_partition()
+        for path, m in self.module.named_modules():
+            if self._is_local(path):
+                for name, b in m.named_buffers(recurse=False):
+                    yield (f"{path}.{name}" if path else name), b
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, b in self.local_named_buffers():
+            yield b
+
+    def _param_is_local(self, p: nn.Parameter) -> bool:
+        return id(p) in self._local_param_ids
+
+    # --- hooks --------------------------------------------------------------------------------------
+
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> _Handle:
+        """``hook(model, optimizer)`` runs after partitioning, before the first forward."""
+        self._post_partition_hooks.append(hook)
+        return _Handle(self._post_partition_hooks, hook)
+
+    def register_post_step_hook(self, hook: Callable[..., Any]) -> _Handle:
+        """``hook(model, optimizer)`` runs once, after the first step."""
+        self._post_step_hooks.append(hook)
+        return _Handle(self._post_step_hooks, hook)
+
+    # --- forward / backward -------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cfg.pipeline_parallel_degree > 1 and not self._in_step and not self._tracing:
+            raise FwdExecutionNotInStepFnError(
+                "with pipeline_parallel_degree > 1 the model runs only inside an @smp.step function: move "
+                "model(...) into the step (evaluation too: a second @smp.step without model.backward)")
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Backward of the model's outputs inside an ``@smp.step`` function (replaces loss.backward())."""
+        if not self._in_step:
+            raise BwdExecutionNotInStepFnError("model.backward(loss) must run inside an @smp.step function")
+        if self._tracing:
+            return
+        if self._engine is not None and current_task() is not None:
+            self._engine.backward(tensors, grad_tensors)
+        else:
+            torch.autograd.backward(tensors, grad_tensors)
+
+    # --- partitioning -------------------------------------------------------------------------------
+
+    def _decide_partition(self, first_microbatch: Callable[[], Any]) -> None:
+        cfg = self._cfg
+        if cfg.auto_partition:
+            st = smp_state.current()
+            decision = None
+            if st.rank == 0:
+                tr = None
+                if not cfg.skip_tracing:
+                    self._tracing = True
+                    try:
+                        tr = partition_mod.trace(self.module, first_microbatch)
+                    finally:
+                        self._tracing = False
+                tree = partition_mod.lower(self.module, tr)
+                part = partition_mod.auto_partition(tree, cfg)
+                decision = dict(part.assignment)
+                logger.info("automatic partition:\n%s", part.report())
+            from .comm import WORLD, allgather
+
+            decision = allgather(decision, WORLD)[0]
+            assert decision is not None
+            self._apply_partition(decision, None)
+        else:
+            scopes = partition_mod.manual_scopes(self.module, cfg)
+            tree = partition_mod.lower(self.module, None)
+            part = scopes.resolve(tree)
+            if smp_state.current().rank == 0:
+                logger.info("manual partition:\n%s", part.report())
+            self._apply_partition(dict(part.assignment), part)
+
+    def _apply_partition(self, assignment: dict[str, int], part: Any) -> None:
+        st = smp_state.current()
+        self._owner = dict(assignment)
+        self._partition = part
+        modules = dict(self.module.named_modules())
+        local_ids: set[int] = set()
+        for path, m in modules.items():
+            if self._is_local(path):
+                local_ids.update(id(p) for p in m.parameters(recurse=False))
+        self._local_param_ids = local_ids
+        if self._cfg.pipeline_parallel_degree > 1:
+            for path, m in modules.items():
+                for p in m.parameters(recurse=False):
+                    if id(p) not in local_ids:
+                        # Another rank owns it: free the storage, keep the Parameter object.
+                        p.requires_grad_(False)
+                        p.grad = None
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._install_dispatch(modules)
+            rt = runtime()
+            pp_ranks = rt.group_ranks[GroupKind.PP]
+            cfg = self._cfg
+            self._engine = Engine(Transport(rt.engine_group, pp_ranks, st.rank), pp_ranks, self._pp_rank,
+                                  self._run_local, float(cfg.comm_timeout))
+        self._broadcast_from_dp0(params=True)
+        self._partitioned = True
+        if hasattr(partition_mod, "freeze"):
+            pass
+        for model_sd, strict in self._pending_loads:
+            self._load_now(model_sd, strict)
+        self._pending_loads.clear()
+        for hook in list(self._post_partition_hooks):
+            hook(self, st.optimizer)
+
+    def _install_dispatch(self, modules: dict[str, nn.Module]) -> None:
+        """Every module call checks where it runs; a module owned elsewhere becomes a request."""
+        engine_ref = self
+
+        for path, m in modules.items():
+            orig = m.forward
+            self._orig_forward[path] = orig
+            owner = self._owner[path]
+            is_seq = isinstance(m, nn.Sequential)
+
+            def forward(*args: Any, _path: str = path, _orig: Callable[..., Any] = orig, _owner: int = owner,
+                        _seq: bool = is_seq, _m: nn.Module = m, **kwargs: Any) -> Any:
+                if current_task() is None:
+                    return _orig(*args, **kwargs)
+                if _owner != engine_ref._pp_rank:
+                    assert engine_ref._engine is not None
+                    return engine_ref._engine.remote_forward(_owner, _path, None, args, kwargs)
+                if _seq and len(args) == 1 and not kwargs:
+                    return engine_ref._run_sequential(_path, _m, args[0])
+                return _orig(*args, **kwargs)
+
+            m.forward = forward  # type: ignore[method-assign]
+
+    def _sequence_groups(self, path: str, seq: nn.Module) -> list[tuple[int, int, int]]:
+        owners = [self._owner[f"{path}.{name}" if path else name] for name in seq._modules]
+        groups: list[tuple[int, int, int]] = []
+        for i, o in enumerate(owners):
+            if groups and groups[-1][0] == o:
+                groups[-1] = (o, groups[-1][1], i + 1)
+            else:
+                groups.append((o, i, i + 1))
+        return groups
+
+    def _run_sequential(self, path: str, seq: nn.Module, x: Any) -> Any:
+        """nn.Sequential with children on several ranks: one request per run of same-rank children."""
+        children = list(seq._modules.values())
+        for owner, start, stop in self._sequence_groups(path, seq):
+            if owner == self._pp_rank:
+                for child in children[start:stop]:
+                    x = child(x)
+            else:
+                assert self._engine is not None
+                x = self._engine.remote_forward(owner, path, (start, stop), (x,), {})
+        return x
+
+    def _run_local(self, path: str, span: tuple[int, int] | None, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        module = dict(self.module.named_modules())[path] if path else self.module
+        if span is not None:
+            x = args[0]
+            for child in list(module._modules.values())[span[0]:span[1]]:
+                x = child(x)
+            return x
+        if isinstance(module, nn.Sequential) and len(args) == 1 and not kwargs:
+            return self._run_sequential(path, module, args[0])
+        return self._orig_forward[path](*args, **kwargs)
+
+    # --- data parallel ------------------------------------------------------------------------------
+
+    def _dp_group(self) -> tuple[Any, list[int]]:
+        rt = runtime()
+        return rt.groups[GroupKind.DP], rt.group_ranks[GroupKind.DP]
+
+    def _broadcast_from_dp0(self, *, params: bool) -> None:
+        """Make every DP replica start from DP rank 0's parameters (and buffers)."""
+        if not self._cfg.ddp:
+            return
+        pg, ranks = self._dp_group()
+        if len(ranks) < 2:
+            return
+        tensors = [b for _, b in self.local_named_buffers()] if self._partitioned or True else []
+        if params:
+            tensors = [p.data for p in self.local_parameters()] + tensors
+        for t in tensors:
+            if t.numel():
+                wait(dist.broadcast(t, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
+
+    def _sync_gradients(self) -> None:
+        """Average gradients over microbatches, then over the DP group (every backward_passes_per_step)."""
+        cfg = self._cfg
+        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
+        if self.average_grads_across_microbatches and cfg.microbatches > 1:
+            for g in grads:
+                g.div_(cfg.microbatches)
+        if not cfg.ddp or self._steps % self.backward_passes_per_step:
+            return
+        pg, ranks = self._dp_group()
+        if len(ranks) < 2 or not grads:
+            return
+        cap = max(1, self.bucket_cap_mb) * 1024 * 1024
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+            if bucket and (g is None or size >= cap):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                wait(dist.all_reduce(flat, group=pg, async_op=True), "gradient allreduce over DP", ranks)
+                flat.div_(len(ranks))
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0
+
+    # --- state dicts ------------------------------------------------------------------------------
+
+    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
+        self._require_partition()
+        out: dict[str, Any] = {}
+        for name, p in self.local_named_parameters():
+            out[name] = p.detach().cpu() if cast_to_cpu else p.detach()
+        for name, b in self.local_named_buffers():
+            out[name] = b.detach().cpu() if cast_to_cpu else b.detach()
+        out["_smp_is_partial"] = True
+        return out
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,  # type: ignore[override]
+                   cast_to_cpu: bool = True, gather_to_rank0: bool = True) -> dict[str, Any]:
+        """The full state dict, gathered from every pipeline rank of this replica.
+
+        Call it on every rank with ``dp_rank() == 0`` (``rdp_rank() == 0`` with TP), as in SMP v1.
+        """
+        if not self._partitioned or self._cfg.pipeline_parallel_degree == 1:
+            sd = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            return {k: (v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) else v)
+                    for k, v in sd.items()}
+        from .comm import MP_GROUP, allgather
+
+        parts = allgather(self.local_state_dict(cast_to_cpu=True), MP_GROUP)
+        if gather_to_rank0 and smp_state.current().rank != 0:
+            return {}
+        full: dict[str, Any] = {}
+        for part in parts:
+            full.update({prefix + k: v for k, v in part.items() if k != "_smp_is_partial"})
+        order = [prefix + k for k in self.module.state_dict(keep_vars=True)]
+        return {k: full[k] for k in order if k in full}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
+        """Load a full or partial state dict; before partitioning the load waits until after it."""
+        if not self._partitioned:
+            self._pending_loads.append((dict(state_dict), strict))
+            return None
+        return self._load_now(state_dict, strict)
+
+    def _load_now(self, state_dict: dict[str, Any], strict: bool) -> Any:
+        partial = bool(state_dict.get("_smp_is_partial", False))
+        own = dict(self.local_named_parameters())
+        own.update(dict(self.local_named_buffers()))
+        missing = [k for k in own if k not in state_dict]
+        if strict and missing:
+            raise KeyError(f"load_state_dict: missing keys for this rank's modules: {missing[:8]}")
+        known = set(self.module.state_dict(keep_vars=True))
+        unexpected = [k for k in state_dict if k != "_smp_is_partial" and k not in known]
+        if strict and unexpected and not partial:
+            raise KeyError(f"load_state_dict: unexpected keys: {unexpected[:8]}")
+        with torch.no_grad():
+            for k, t in own.items():
+                if k in state_dict:
+                    t.copy_(state_dict[k])
+        return None
+
+    def cpu(self) -> DistributedModel:  # type: ignore[override]
+        """Gather every rank's parameters into this process's module, on the CPU."""
+        if self._partitioned and self._cfg.pipeline_parallel_degree > 1:
+            from .comm import MP_GROUP, allgather
+
+            full: dict[str, Any] = {}
+            for part in allgather(self.local_state_dict(), MP_GROUP):
+                full.update(part)
+            for name, p in self.module.named_parameters():
+                if name in full and p.numel() == 0:
+                    p.data = full[name].clone()
+        self.module.cpu()
+        return self

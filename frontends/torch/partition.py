@@ -1,0 +1,193 @@
+"""PyTorch side of partitioning: ``smp.partition``, ``smp.set_partition``, lowering and tracing.
+
+The frontend translates, the core decides: this module turns an ``nn.Module`` tree (plus, for
+automatic partitioning, a trace of one microbatch: execution order, time, output bytes) into the
+core's `ModuleTree`, and hands it to `PartitionScopes.resolve` (manual) or `partition_tree` (auto).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import smp.state as smp_state
+from smp.partition import ModuleNode, ModuleTree, PartitionScopes, TreePartition, exclusive_compute, partition_tree
+
+from .engine.wire import map_structure
+
+# Module -> partition index of the innermost `smp.partition` block it was created in.
+_created: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+# Module -> (index, recurse) from smp.set_partition, in call order.
+_assigned: list[tuple[weakref.ref[nn.Module], int, bool]] = []
+_stack: list[int] = []
+_orig_init: Callable[..., None] | None = None
+
+
+def _recording_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    assert _orig_init is not None
+    _orig_init(self, *args, **kwargs)
+    if _stack:
+        _created[self] = _stack[-1]
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """``with smp.partition(i):`` — modules created inside are placed on pipeline rank ``i``.
+
+    Nested blocks: the innermost wins. Ignored (with one log line) when ``auto_partition`` is True.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         with smp.partition(0):
+        ...             self.embed = nn.Embedding(100, 16)
+        ...         with smp.partition(1):
+        ...             self.head = nn.Linear(16, 100)
+    """
+    global _orig_init
+    cfg = smp_state.current().cfg
+    if cfg is not None:
+        # Checks the index (and logs the auto_partition rule) through the core's bookkeeping.
+        with PartitionScopes.from_settings(cfg.partition_section()).partition(index):
+            pass
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"smp.partition index must be an int, got {index!r}")
+    outermost = not _stack
+    _stack.append(index)
+    if outermost:
+        _orig_init = nn.Module.__init__
+        nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _stack.pop()
+        if outermost and _orig_init is not None:
+            nn.Module.__init__ = _orig_init  # type: ignore[method-assign]
+            _orig_init = None
+
+
+def set_partition(module: nn.Module, partition: int, recurse: bool = True) -> None:
+    """Place an existing module (and by default its submodules) on pipeline rank ``partition``.
+
+    Call it after ``smp.DistributedModel(...)`` and before the first step.
+    """
+    model = smp_state.current().model
+    if model is not None and getattr(model, "partitioned", False) and smp_state.current().cfg is not None \
+            and smp_state.current().cfg.pipeline_parallel_degree > 1:
+        from smp.errors import PartitionError
+
+        raise PartitionError("smp.set_partition after the first step: the partition is final once the first "
+                             "smp.step ran. Fix: call set_partition before the first step")
+    _assigned.append((weakref.ref(module), partition, recurse))
+
+
+def manual_scopes(root: nn.Module, cfg: Any) -> PartitionScopes:
+    """The core's bookkeeping filled with this model's `smp.partition` blocks and set_partition calls."""
+    scopes = PartitionScopes.from_settings(cfg.partition_section())
+    paths = {id(m): p for p, m in root.named_modules()}
+    for path, module in root.named_modules():
+        if module in _created:
+            scopes.note_created(path, _created[module])
+    for ref, index, recurse in _assigned:
+        module = ref()
+        if module is not None and id(module) in paths:
+            scopes.assign(paths[id(module)], index, recurse=recurse)
+    return scopes
+
+
+def _tensor_bytes(obj: Any) -> int:
+    total = 0
+
+    def leaf(x: Any) -> Any:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        return x
+
+    map_structure(obj, leaf)
+    return total
+
+
+class Trace:
+    """What one traced microbatch showed: module order, inclusive time, output bytes."""
+
+    def __init__(self) -> None:
+        self.order: dict[str, int] = {}
+        self.time: dict[str, float] = {}
+        self.output_bytes: dict[str, int] = {}
+
+
+def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True) -> Trace:
+    """Run ``run()`` (one microbatch of the step) with hooks on every module of ``root``."""
+    tr = Trace()
+    starts: dict[str, list[float]] = {}
+    handles = []
+    for path, module in root.named_modules():
+        def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
+            tr.order.setdefault(path, len(tr.order))
+            starts.setdefault(path, []).append(time.perf_counter())
+
+        def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+            begun = starts[path].pop()
+            tr.time[path] = tr.time.get(path, 0.0) + (time.perf_counter() - begun)
+            tr.output_bytes[path] = tr.output_bytes.get(path, 0) + _tensor_bytes(out)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    if not measure_time:
+        tr.time = {}
+    return tr
+
+
+def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
+    """The core's `ModuleTree` of ``root``: children in execution order, own parameter bytes,
+    output bytes, exclusive compute, and groups of modules that share a parameter."""
+    modules = dict(root.named_modules())
+    owner_of: dict[int, str] = {}
+    shared: dict[str, set[str]] = {}
+    for path, module in modules.items():
+        for name, p in module.named_parameters(recurse=False):
+            first = owner_of.setdefault(id(p), path)
+            if first != path:
+                group = f"{first}.{name}"
+                shared.setdefault(first, set()).add(group)
+                shared.setdefault(path, set()).add(group)
+    children: dict[str, tuple[str, ...]] = {}
+    order = tr.order if tr else {}
+    for path, module in modules.items():
+        kids = [f"{path}.{n}" if path else n for n, c in module.named_children() if
+                (f"{path}.{n}" if path else n) in modules and modules[f"{path}.{n}" if path else n] is c]
+        # Called children in execution order, then the rest in definition order.
+        kids.sort(key=lambda k: (0, order[k]) if k in order else (1, 0))
+        children[path] = tuple(kids)
+    compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
+    nodes = []
+    for path, module in modules.items():
+        own = [p for p in module.parameters(recurse=False) if owner_of.get(id(p)) == path]
+        nodes.append(ModuleNode(
+            path, children[path],
+            param_bytes=sum(p.numel() * p.element_size() for p in own),
+            activation_bytes=tr.output_bytes.get(path, 0) if tr else 0,
+            compute=float(compute.get(path, 0.0)) if compute else (1.0 if tr is None or path in order else 0.0),
+            shared_groups=frozenset(shared.get(path, ())),
+            param_count=sum(p.numel() for p in own)))
+    return ModuleTree(nodes)
+
+
+def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
+    section = cfg.partition_section()
+    return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
+                          virtual_stages=section.virtual_stages)

@@ -1,0 +1,150 @@
+"""``@smp.step``: split the batch into microbatches, run them through the pipeline, gather the outputs.
+
+The body runs once per microbatch on each pipeline's pp_rank 0; the other pipeline ranks serve its
+module calls. Every rank of the pipeline returns the same values: tensors as `StepOutput`s, other
+leaves as lists. When the step returns, gradients are averaged over microbatches and allreduced
+over data-parallel replicas, so ``optimizer.step()`` can follow.
+
+Example:
+    >>> @smp.step
+    ... def train_step(model, data, target):
+    ...     output = model(data)
+    ...     loss = F.nll_loss(output, target)
+    ...     model.backward(loss)
+    ...     return output, loss
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import smp.state as smp_state
+from smp.errors import NotInitializedError, SMPError
+from smp.step import StepSpec, aggregate_outputs, split_arguments
+
+from .engine.order import Baton
+from .engine.wire import map_structure
+from .step_output import StepOutput, TorchStepOps
+
+__all__ = ["StepOutput", "step"]
+
+logger = logging.getLogger("smp")
+_OPS = TorchStepOps()
+
+
+class StepFunctionCalledError(SMPError, RuntimeError):
+    """An ``@smp.step`` function was called from inside another one."""
+
+
+def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int) -> list[tuple[str, int]]:
+    from smp.pipeline import build_plan
+
+    name = cfg.pipeline if has_backward else "_only_forward"
+    plan = build_plan(name, cfg.pipeline_parallel_degree, cfg.microbatches, chain=chain,
+                      active_microbatches=cfg.active_microbatches)
+    actions = []
+    for a in plan.actions[pp_rank]:
+        kind = str(a.kind)
+        if kind == "W":  # autograd computes weight and input gradients together
+            continue
+        actions.append(("B" if kind in ("B", "I") else "F", a.microbatch))
+    return actions
+
+
+class StepFunction:
+    """A function decorated with ``@smp.step``."""
+
+    def __init__(self, func: Callable[..., Any], non_split_inputs: Any, input_split_axes: Any,
+                 detach_outputs: bool) -> None:
+        self.func = func
+        self.spec = StepSpec.from_function(func, non_split_inputs, input_split_axes)
+        self.detach_outputs = detach_outputs
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = smp_state.current()
+        if st.cfg is None:
+            raise NotInitializedError("call smp.init(config) before an @smp.step function")
+        model = st.model
+        cfg = st.cfg
+        if model is not None and model._in_step:
+            raise StepFunctionCalledError("an @smp.step function cannot call another @smp.step function")
+        parts = split_arguments(self.spec, args, kwargs, cfg.microbatches, _OPS)
+        if model is None:
+            results = [self.func(*a, **k) for a, k in parts]
+            return aggregate_outputs(results, _OPS, StepOutput)
+        model._in_step = True
+        try:
+            if not model.partitioned:
+                a0, k0 = parts[0]
+                model._decide_partition(lambda: self.func(*a0, **k0))
+            if cfg.ddp and model.broadcast_buffers:
+                model._broadcast_from_dp0(params=False)
+            results = self._run(model, cfg, parts)
+        finally:
+            model._in_step = False
+        model._steps += 1
+        model._sync_gradients()
+        if self.detach_outputs:
+            results = [map_structure(r, lambda x: x.detach() if isinstance(x, torch.Tensor) else x) for r in results]
+        if model._steps == 1 or model._post_step_hooks:
+            hooks, model._post_step_hooks = list(model._post_step_hooks), []
+            for hook in hooks:
+                hook(model, st.optimizer)
+        return aggregate_outputs(results, _OPS, StepOutput)
+
+    def _run(self, model: Any, cfg: Any, parts: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        engine = model._engine
+        if engine is None:  # pp == 1: microbatches run one after the other (gradient accumulation)
+            return [self.func(*a, **k) for a, k in parts]
+        key = id(self)
+        recorded = model._plans.get(key)
+        policy = "simple" if cfg.pipeline == "simple" else "interleaved"
+        plan = None
+        if recorded is not None:
+            try:
+                plan = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank)
+            except SMPError as e:
+                logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
+        baton = Baton(plan, policy, cfg.active_microbatches, float(cfg.comm_timeout),
+                      on_fallback=lambda reason: _fallback(engine, reason))
+        leader = model._pp_rank == 0
+        bodies = [functools.partial(self.func, *a, **k) for a, k in parts] if leader else None
+
+        def payload(_results: list[Any]) -> Any:
+            task = engine.tasks[0]
+            return {"chain": task.chain or [0], "backward": task.backward_called}
+
+        results, info = engine.run_step(bodies, len(parts), baton, torch.is_grad_enabled(), payload)
+        model.last_timeline = list(engine.events)
+        if recorded is None and info is not None:
+            model._plans[key] = (list(info["chain"]), bool(info["backward"]))
+            if smp_state.current().rank == 0:
+                logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
+                            self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)
+        return results
+
+
+_fallback_logged = False
+
+
+def _fallback(engine: Any, reason: str) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        logger.warning("this step left the recorded chain (%s): SMP v1's dynamic order is used", reason)
+    engine.notify_dynamic(reason)
+
+
+def step(func: Callable[..., Any] | None = None, *, non_split_inputs: Any = None, input_split_axes: Any = None,
+         detach_outputs: bool = True) -> Any:
+    """Decorate a training or evaluation step (usable as ``@smp.step`` or ``@smp.step(...)``)."""
+    def wrap(f: Callable[..., Any]) -> StepFunction:
+        return StepFunction(f, non_split_inputs, input_split_axes, detach_outputs)
+
+    return wrap(func) if func is not None else wrap
