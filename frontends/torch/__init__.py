@@ -52,7 +52,7 @@ from .comm import (
 )
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
-from .partition import partition, set_partition
+from .placement import partition, set_partition
 from .runtime import init, is_initialized, reset, shutdown
 from .step import StepOutput, step
 

@@ -21,7 +21,7 @@ import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
 from smp.topology import GroupKind
 
-from . import partition as partition_mod
+from . import placement as partition_mod
 from .engine.engine import Engine, current_task
 from .engine.wire import Transport
 from .failure import wait
@@ -104,6 +104,7 @@ class DistributedModel(nn.Module):
         self._tracing = False
         self._steps = 0
         self._plans: dict[Any, tuple[list[int], bool]] = {}
+        self._local_param_ids: set[int] = set()
         self.last_timeline: list[Any] = []
         st.model = self
         if self._cfg.pipeline_parallel_degree == 1:
@@ -212,7 +213,7 @@ class DistributedModel(nn.Module):
                         self._tracing = False
                 tree = partition_mod.lower(self.module, tr)
                 part = partition_mod.auto_partition(tree, cfg)
-                decision = dict(part.assignment)
+                decision = partition_mod.rehome_sequential_stateless(self.module, dict(part.assignment))
                 logger.info("automatic partition:\n%s", part.report())
             from .comm import WORLD, allgather
 
@@ -251,10 +252,8 @@ class DistributedModel(nn.Module):
             cfg = self._cfg
             self._engine = Engine(Transport(rt.engine_group, pp_ranks, st.rank), pp_ranks, self._pp_rank,
                                   self._run_local, float(cfg.comm_timeout))
-        self._broadcast_from_dp0(params=True)
         self._partitioned = True
-        if hasattr(partition_mod, "freeze"):
-            pass
+        self._broadcast_from_dp0(params=True)
         for model_sd, strict in self._pending_loads:
             self._load_now(model_sd, strict)
         self._pending_loads.clear()
@@ -331,7 +330,7 @@ class DistributedModel(nn.Module):
         pg, ranks = self._dp_group()
         if len(ranks) < 2:
             return
-        tensors = [b for _, b in self.local_named_buffers()] if self._partitioned or True else []
+        tensors = [b for _, b in self.local_named_buffers()]
         if params:
             tensors = [p.data for p in self.local_parameters()] + tensors
         for t in tensors:
@@ -370,14 +369,17 @@ class DistributedModel(nn.Module):
     # --- state dicts ------------------------------------------------------------------------------
 
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
-        self._require_partition()
         out: dict[str, Any] = {}
-        for name, p in self.local_named_parameters():
-            out[name] = p.detach().cpu() if cast_to_cpu else p.detach()
-        for name, b in self.local_named_buffers():
-            out[name] = b.detach().cpu() if cast_to_cpu else b.detach()
+        for name, t in self._local_state_tensors().items():
+            out[name] = t.detach().cpu() if cast_to_cpu else t.detach()
         out["_smp_is_partial"] = True
         return out
+
+    def _local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's entries of the module's state dict, under every name (tied weights too)."""
+        self._require_partition()
+        ids = set(self._local_param_ids) | {id(b) for b in self.local_buffers()}
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids}
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,  # type: ignore[override]
                    cast_to_cpu: bool = True, gather_to_rank0: bool = True) -> dict[str, Any]:
@@ -409,8 +411,7 @@ class DistributedModel(nn.Module):
 
     def _load_now(self, state_dict: dict[str, Any], strict: bool) -> Any:
         partial = bool(state_dict.get("_smp_is_partial", False))
-        own = dict(self.local_named_parameters())
-        own.update(dict(self.local_named_buffers()))
+        own = self._local_state_tensors()
         missing = [k for k in own if k not in state_dict]
         if strict and missing:
             raise KeyError(f"load_state_dict: missing keys for this rank's modules: {missing[:8]}")

@@ -93,6 +93,7 @@ def run_ranks(
             p.start()
         got: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
+        silent_death: float | None = None
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -101,9 +102,12 @@ def run_ranks(
                 rank, status, value = results.get(timeout=min(left, 0.5))
                 got[rank] = (status, pickle.loads(value) if status == "ok" else value)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-                if dead and all(p.exitcode is not None for p in procs):
-                    break
+                # A rank that exited without reporting (killed, crashed in the interpreter) ends the run
+                # after a short grace period instead of the whole timeout.
+                if any(p.exitcode is not None and r not in got for r, p in enumerate(procs)):
+                    silent_death = silent_death or time.monotonic()
+                    if time.monotonic() - silent_death > 3.0:
+                        break
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         for p in procs:
@@ -115,7 +119,8 @@ def run_ranks(
     if missing:
         detail = "".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))
         codes = {r: procs[r].exitcode for r in missing}
-        raise RankFailure(f"ranks {missing} did not finish within {timeout:g} s (exit codes {codes}){detail}")
+        why = "died without reporting" if silent_death else f"did not finish within {timeout:g} s"
+        raise RankFailure(f"ranks {missing} {why} (exit codes {codes}){detail}")
     if expect_failure:
         return [got[r] for r in range(world_size)]
     if errors:

@@ -127,6 +127,8 @@ class Trace:
 def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True) -> Trace:
     """Run ``run()`` (one microbatch of the step) with hooks on every module of ``root``."""
     tr = Trace()
+    with torch.no_grad():
+        run()  # warm-up: first calls pay one-time costs that would skew the measured compute
     starts: dict[str, list[float]] = {}
     handles = []
     for path, module in root.named_modules():
@@ -174,6 +176,11 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
         kids.sort(key=lambda k: (0, order[k]) if k in order else (1, 0))
         children[path] = tuple(kids)
     compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
+    for path, module in modules.items():
+        # A container's own time is the Python loop around its children (and our hooks): overhead
+        # that runs wherever its children run, not work to place.
+        if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and path in compute:
+            compute[path] = 0.0
     nodes = []
     for path, module in modules.items():
         own = [p for p in module.parameters(recurse=False) if owner_of.get(id(p)) == path]
@@ -191,3 +198,28 @@ def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
     section = cfg.partition_section()
     return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
                           virtual_stages=section.virtual_stages)
+
+
+def rehome_sequential_stateless(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
+    """Parameter-less children of an ``nn.Sequential`` (activations, dropout) join a neighbour.
+
+    The core runs a parameter-less module with its parent, which is right when the parent's own
+    forward calls it; inside an ``nn.Sequential`` it would split a run of children on one rank
+    into two requests, so such a child goes with the child before it (or after, if first).
+    """
+    out = dict(assignment)
+    for path, module in root.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        names = [f"{path}.{n}" if path else n for n in module._modules]
+        stateful = [next(iter(c.parameters()), None) is not None for c in module._modules.values()]
+        for i, name in enumerate(names):
+            if stateful[i] or name not in out:
+                continue
+            before = [names[j] for j in range(i - 1, -1, -1) if stateful[j]]
+            after = [names[j] for j in range(i + 1, len(names)) if stateful[j]]
+            anchor = before[0] if before else (after[0] if after else None)
+            if anchor is not None:
+                for sub, _ in module._modules[name.rsplit(".", 1)[-1]].named_modules(prefix=name):
+                    out[sub] = out[anchor]
+    return out
