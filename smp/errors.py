@@ -13,6 +13,8 @@ __all__ = [
     "NotInitializedError",
     "ScheduleError",
     "PartitionError",
+    "InvalidPartitionIDError",
+    "PartitionMemoryError",
     "CommTimeoutError",
     "RemoteRankError",
     "InvalidCommGroupError",
@@ -86,3 +88,29 @@ class RemoteRankError(SMPError, RuntimeError):
 
 class InvalidCommGroupError(SMPError, ValueError):
     """A communication group argument is not one of the CommGroup values."""
+
+
+class InvalidPartitionIDError(PartitionError):
+    """A partition index (``smp.partition(i)``, ``set_partition``, ``default_partition``) is not in [0, pp)."""
+
+
+class PartitionMemoryError(PartitionError):
+    """No partition keeps every rank under its memory limit; the message shows the best split found."""
+
+
+class TensorSplitError(SMPError, ValueError):
+    """``smp.step`` cannot split its arguments into microbatches (bad ``non_split_inputs`` /
+    ``input_split_axes``, or a tensor whose size along its split axis is not divisible by the
+    number of microbatches). SMP v1 name."""
+
+
+class StepOutputError(SMPError, ValueError):
+    """The per-microbatch return values of a step function cannot be aggregated (their structure
+    differs between microbatches), or a `StepOutput` reduction has nothing to reduce."""
+
+
+class SMPCheckpointError(SMPError, RuntimeError):
+    """A checkpoint cannot be written or read: bad tag, missing file, incomplete save. SMP v1 name."""
+
+
+__all__ += ["TensorSplitError", "StepOutputError", "SMPCheckpointError"]
