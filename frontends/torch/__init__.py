@@ -54,6 +54,7 @@ from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .placement import partition, set_partition
 from .runtime import init, is_initialized, reset, shutdown
+from .saving import load, resume_from_checkpoint, save, save_checkpoint
 from .step import StepOutput, step
 
 
@@ -69,6 +70,10 @@ __all__ = [
     "DistributedOptimizer",
     "StepOutput",
     "is_tracing",
+    "load",
+    "resume_from_checkpoint",
+    "save",
+    "save_checkpoint",
     "partition",
     "set_partition",
     "step",

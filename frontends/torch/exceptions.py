@@ -9,13 +9,33 @@ from smp.errors import (
     SMPConfigError,
     SMPError,
     SMPInvalidArgumentError,
+    SMPCheckpointError,
     SMPValidationError,
+    StepOutputError,
+    TensorSplitError,
 )
 
 from .comm import DDPNotEnabledError
 from .launch import LaunchError
+from .model import (
+    BwdExecutionNotInStepFnError,
+    FwdExecutionNotInStepFnError,
+    ModelNotPartitionedError,
+    MultipleDistributedModelError,
+)
+from .optimizer import DistributedOptimizerError
+from .step import StepFunctionCalledError
 
 __all__ = [
+    "BwdExecutionNotInStepFnError",
+    "DistributedOptimizerError",
+    "FwdExecutionNotInStepFnError",
+    "ModelNotPartitionedError",
+    "MultipleDistributedModelError",
+    "SMPCheckpointError",
+    "StepFunctionCalledError",
+    "StepOutputError",
+    "TensorSplitError",
     "CommTimeoutError",
     "DDPNotEnabledError",
     "InvalidCommGroupError",

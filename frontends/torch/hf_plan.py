@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
 from smp.errors import PartitionMemoryError, SMPError
 from smp.partition import ModuleNode, ModuleTree, PartitionReport, TreePartition, format_bytes, partition_tree
 from smp.partition.cost import memory_weight_for
-from torch import nn
 
 __all__ = ["PlanResult", "estimate_tree", "load_config", "main", "plan_hf_model"]
 
@@ -366,7 +367,7 @@ def plan_hf_model(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="smp plan --hf-config", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="smp plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-config", required=True, help="config.json path or inline JSON (never downloaded)")
     p.add_argument("--pp", type=int, required=True, help="pipeline_parallel_degree")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree (divides TP-sharded parameters)")

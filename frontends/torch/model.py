@@ -107,6 +107,11 @@ class DistributedModel(nn.Module):
         self._local_param_ids: set[int] = set()
         self.last_timeline: list[Any] = []
         st.model = self
+        from .saving import pending
+
+        if "model" in pending:  # resume_from_checkpoint ran before the model existed
+            sd, strict = pending.pop("model")
+            self._pending_loads.append((sd, strict))
         if self._cfg.pipeline_parallel_degree == 1:
             self._apply_partition({p: 0 for p, _ in module.named_modules()}, None)
 

@@ -112,6 +112,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.loss_scale = static_loss_scale  # type: ignore[attr-defined]
     optimizer.overflow = False  # type: ignore[attr-defined]
+    from .saving import pending as resumed
+
+    if "optimizer" in resumed:  # resume_from_checkpoint ran before the optimizer existed
+        pending.append(resumed.pop("optimizer"))
     model.register_post_partition_hook(_apply_pending)
     st.optimizer = optimizer
+    if model.partitioned:
+        _apply_pending(model, optimizer)
     return optimizer

@@ -80,7 +80,8 @@ def run_ranks(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return their results by rank.
 
     With ``expect_failure=True`` nothing is raised for failing ranks; the result list then holds, per
-    rank, either ``("ok", value)`` or ``("error", traceback_text)``; a timeout still raises.
+    rank, ``("ok", value)``, ``("error", traceback_text)`` or ``("died", exit_code)``; a timeout still
+    raises.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -116,6 +117,11 @@ def run_ranks(
                 p.join()
     missing = [r for r in range(world_size) if r not in got]
     errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    if expect_failure and missing and silent_death:
+        # Expected failures include a rank that died (e.g. os._exit in a crash test).
+        for r in missing:
+            got[r] = ("died", procs[r].exitcode)
+        missing = []
     if missing:
         detail = "".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))
         codes = {r: procs[r].exitcode for r in missing}
