@@ -169,11 +169,18 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
                 shared.setdefault(path, set()).add(group)
     children: dict[str, tuple[str, ...]] = {}
     order = tr.order if tr else {}
+    # A container that is never called itself (a ModuleList iterated by its parent) sits where its
+    # first called descendant runs.
+    first: dict[str, float] = {}
+    for path in sorted(modules, key=lambda p: -p.count(".")):
+        seen = [order[path]] if path in order else []
+        seen += [first[k] for k in first if k.startswith(path + ".") and k.count(".") == path.count(".") + 1]
+        first[path] = min(seen) if seen else float("inf")
     for path, module in modules.items():
         kids = [f"{path}.{n}" if path else n for n, c in module.named_children() if
                 (f"{path}.{n}" if path else n) in modules and modules[f"{path}.{n}" if path else n] is c]
-        # Called children in execution order, then the rest in definition order.
-        kids.sort(key=lambda k: (0, order[k]) if k in order else (1, 0))
+        # Children in execution order; never-run ones keep their definition order at the end.
+        kids.sort(key=lambda k: first.get(k, float("inf")))
         children[path] = tuple(kids)
     compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
     for path, module in modules.items():

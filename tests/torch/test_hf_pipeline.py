@@ -1,0 +1,89 @@
+"""Unmodified Hugging Face models (built from config, no download) train pipelined like in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.spawn import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config(kind: str) -> Any:
+    common = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "max_position_embeddings": 32, "use_cache": False}
+    if kind == "llama":
+        return transformers.LlamaConfig(num_key_value_heads=2, **common)
+    if kind == "gpt_neox":
+        return transformers.GPTNeoXConfig(**common)
+    if kind == "mistral":
+        return transformers.MistralConfig(num_key_value_heads=2, **common)
+    return transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)
+
+
+def _model(kind: str) -> Any:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager")
+
+
+def _data() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (4, 12), generator=g) for _ in range(2)]
+
+
+def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for ids in _data():
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _pipelined(kind: str, auto: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import smp.torch as smp
+
+    cfg: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": auto,
+                           "comm_timeout": 60.0}
+    if not auto:
+        cfg["default_partition"] = 0
+    smp.init(cfg)
+    hf = _model(kind)
+    model = smp.DistributedModel(hf)
+    if not auto:
+        body = hf.base_model
+        layers = body.layers
+        for layer in layers[len(layers) // 2:]:
+            smp.set_partition(layer, 1)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for ids in _data():
+        opt.zero_grad()
+        losses.append(train_step(model, ids).reduce_mean().item())
+        opt.step()
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "mistral", "mixtral"])
+def test_hf_model_pipelined_matches_one_process(kind: str) -> None:
+    ref_losses, ref_state = _reference(kind)
+    for auto in (False, True):
+        losses, state = run_ranks(_pipelined, 2, args=(kind, auto), timeout=180)[0]
+        # microbatches of 2: the loss is the mean of per-microbatch means (equal token counts)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
