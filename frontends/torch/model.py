@@ -430,6 +430,24 @@ class DistributedModel(nn.Module):
                     t.copy_(state_dict[k])
         return None
 
+    def step_timeline(self, title: str = "measured step") -> Any:
+        """The last step's measured timeline over this pipeline (a collective over the PP group).
+
+        Returns an ``smp.pipeline.Timeline`` in milliseconds (one lane per pp_rank) that
+        ``smp.pipeline.render_svg`` / ``render_chrome_trace`` draw like a planned one. Clocks are the
+        hosts' wall clocks: on several hosts, lanes are only as aligned as the clocks are.
+        """
+        from smp.pipeline import Timeline
+
+        from .comm import PP_GROUP, allgather
+
+        mine = [(self._pp_rank, e.kind, e.microbatch, 0, e.start, e.end) for e in self.last_timeline if e.end]
+        events = [e for part in allgather(mine, PP_GROUP) for e in part]
+        origin = min((e[4] for e in events), default=0.0)
+        records = [(r, k, mb, seg, (s - origin) * 1e3, (t - origin) * 1e3) for r, k, mb, seg, s, t in events]
+        return Timeline.from_records(records, num_ranks=self._cfg.pipeline_parallel_degree, unit="ms",
+                                     title=title)
+
     def cpu(self) -> DistributedModel:  # type: ignore[override]
         """Gather every rank's parameters into this process's module, on the CPU."""
         if self._partitioned and self._cfg.pipeline_parallel_degree > 1:

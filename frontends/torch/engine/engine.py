@@ -138,7 +138,7 @@ class Engine:
     def _acquire(self, task: Task, kind: str, *, new: bool = False) -> None:
         assert self.baton is not None
         self.baton.acquire(kind, task.microbatch, new=new)
-        ev = Event(kind, task.microbatch, time.perf_counter())
+        ev = Event(kind, task.microbatch, time.time())
         self._open[task.microbatch] = ev
         self.events.append(ev)
 
@@ -146,7 +146,7 @@ class Engine:
         assert self.baton is not None
         ev = self._open.pop(task.microbatch, None)
         if ev is not None:
-            ev.end = time.perf_counter()
+            ev.end = time.time()
         self.baton.release(finished=finished)
 
     # --- requester side ------------------------------------------------------------------------
