@@ -197,8 +197,26 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
             activation_bytes=tr.output_bytes.get(path, 0) if tr else 0,
             compute=float(compute.get(path, 0.0)) if compute else (1.0 if tr is None or path in order else 0.0),
             shared_groups=frozenset(shared.get(path, ())),
-            param_count=sum(p.numel() for p in own)))
+            param_count=sum(p.numel() for p in own),
+            atomic=_atomic(path, module)))
     return ModuleTree(nodes)
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _atomic(path: str, module: nn.Module) -> bool:
+    """Whether the partitioner must keep ``module`` whole.
+
+    Cutting inside a module whose own forward calls its children (a transformer block: residuals,
+    activations between the linears) turns every child call into a round trip to the parent's
+    rank. Containers, the root, and modules that hold containers (a model body with a ModuleList of
+    layers) may be opened; other modules with children stay whole.
+    """
+    if not path or isinstance(module, _CONTAINERS):
+        return False
+    children = list(module.children())
+    return bool(children) and not any(isinstance(c, _CONTAINERS) for c in children)
 
 
 def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:

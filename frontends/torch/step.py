@@ -44,9 +44,10 @@ class StepFunctionCalledError(SMPError, RuntimeError):
 def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int) -> list[tuple[str, int]]:
     from smp.pipeline import build_plan
 
-    name = cfg.pipeline if has_backward else "_only_forward"
-    plan = build_plan(name, cfg.pipeline_parallel_degree, cfg.microbatches, chain=chain,
-                      active_microbatches=cfg.active_microbatches)
+    section = cfg.pipeline_section()
+    name = section.schedule if has_backward else "_only_forward"
+    active = section.active_microbatches if has_backward else cfg.active_microbatches
+    plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active)
     actions = []
     for a in plan.actions[pp_rank]:
         kind = str(a.kind)

@@ -28,7 +28,7 @@ class PipelineSection:
 
     num_stages: int
     num_microbatches: int
-    active_microbatches: int
+    active_microbatches: int | None
     schedule: str
     virtual_stages: int
 
@@ -55,12 +55,15 @@ class Config:
         (2, 4, 0.2)
     """
 
-    __slots__ = ("_values", "notes", "world_size")
+    __slots__ = ("_values", "notes", "world_size", "given")
 
-    def __init__(self, values: Mapping[str, Any], notes: list[str], world_size: int | None) -> None:
+    def __init__(self, values: Mapping[str, Any], notes: list[str], world_size: int | None,
+                 given: frozenset[str] = frozenset()) -> None:
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "notes", list(notes))
         object.__setattr__(self, "world_size", world_size)
+        # The keys the user set (dict, file or environment), as opposed to defaults.
+        object.__setattr__(self, "given", frozenset(given))
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
@@ -91,10 +94,14 @@ class Config:
         return int(world // (self.pipeline_parallel_degree * self.tensor_parallel_degree))
 
     def pipeline_section(self) -> PipelineSection:
+        # The pp + 2 default cap belongs to SMP v1's schedules; the peers' schedules have their own
+        # in-flight counts, capped only when the user asks.
+        smp_v1 = self.pipeline in ("simple", "interleaved", "_only_forward")
+        active = self.active_microbatches if smp_v1 or "active_microbatches" in self.given else None
         return PipelineSection(
             num_stages=self.pipeline_parallel_degree,
             num_microbatches=self.microbatches,
-            active_microbatches=self.active_microbatches,
+            active_microbatches=active,
             schedule=self.pipeline,
             virtual_stages=self.virtual_stages,
         )
@@ -278,7 +285,7 @@ def resolve(
     for key in KEYS:
         if key.status == "accepted" and key.name in given and resolved[key.name] != key.default_for(resolved):
             notes.append(f"{key.name}={resolved[key.name]!r} is accepted for compatibility and has no effect in smp")
-    return Config(resolved, notes, world_size)
+    return Config(resolved, notes, world_size, frozenset(given))
 
 
 def _cross_rules(

@@ -12,12 +12,14 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..failure import wait
 
 TAG = 0x51D
 HEADER = 4
@@ -96,25 +98,35 @@ class Transport:
         self.peers = [p for p in peers if p != me]
         self.me = me
         self.inbox: queue.SimpleQueue[Message | BaseException] = queue.SimpleQueue()
-        self._locks = {p: threading.Lock() for p in self.peers}
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
 
-    def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: list[torch.Tensor] = ()) -> None:  # type: ignore[assignment]
+    def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Post a message to ``dst`` without waiting for it to leave, so compute goes on meanwhile.
+
+        The parts are posted with ``isend`` in order (one peer's messages arrive in the order sent);
+        the handles and tensors are kept until `stop`. The tensors must not be changed in place
+        afterwards (the engine sends detached outputs and gradients, which nobody touches).
+        """
         specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
         raw = pickle.dumps((body, specs), protocol=pickle.HIGHEST_PROTOCOL)
         header = torch.tensor([kind, len(raw), len(tensors), microbatch], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        with self._locks[dst]:
-            dist.send(header, dst, group=self.group, tag=TAG)
-            dist.send(payload, dst, group=self.group, tag=TAG)
-            for t in tensors:
-                t = t.detach()
-                if not t.is_contiguous():
-                    t = t.contiguous()
+        parts = [header, torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+        parts += [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        with self._lock:
+            for t in parts:
                 if t.numel():
-                    dist.send(t, dst, group=self.group, tag=TAG)
+                    self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
                 self.bytes_sent += t.numel() * t.element_size()
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every posted message left."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
+            wait(work, "pipeline send", "peer", timeout, p2p=True)
 
     def _receive_one(self) -> Message:
         header = torch.empty(HEADER, dtype=torch.int64)
@@ -132,7 +144,7 @@ class Transport:
         return Message(kind, src, microbatch, body, tensors)
 
     def start(self, stop_kind: int) -> None:
-        """Start the receiver; it ends after one ``stop_kind`` message from every peer."""
+        """Start the receiver (it ends after one ``stop_kind`` message from every peer) and the sender."""
         if not self.peers:
             return
 
@@ -155,6 +167,7 @@ class Transport:
         """Tell every peer this rank sends nothing more this step, then wait for our receiver."""
         for p in self.peers:
             self.send(p, stop_kind, -1, None)
+        self.flush(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -184,8 +184,14 @@ def test_markdown_table_lists_every_public_key() -> None:
 
 
 def test_schedule_names_match_the_scheduler_registry() -> None:
-    try:
-        from smp.pipeline import SCHEDULES
-    except ImportError:
-        pytest.skip("scheduler not built yet")
+    from smp.pipeline import SCHEDULES
+
     assert set(SCHEDULES) == set(PIPELINE_NAMES)
+
+
+def test_pipeline_section_caps_only_smp_v1_schedules_by_default() -> None:
+    base = {"pipeline_parallel_degree": 4, "microbatches": 16}
+    assert resolve({**base, "pipeline": "interleaved"}, environ={}).pipeline_section().active_microbatches == 6
+    assert resolve({**base, "pipeline": "interleaved_1f1b"}, environ={}).pipeline_section().active_microbatches is None
+    given = resolve({**base, "pipeline": "1f1b", "active_microbatches": 5}, environ={})
+    assert given.pipeline_section().active_microbatches == 5
