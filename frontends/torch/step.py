@@ -41,7 +41,8 @@ class StepFunctionCalledError(SMPError, RuntimeError):
     """An ``@smp.step`` function was called from inside another one."""
 
 
-def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int) -> list[tuple[str, int]]:
+def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int,
+              light: set[tuple[str, int]]) -> list[tuple[str, int]]:
     from smp.pipeline import build_plan
 
     section = cfg.pipeline_section()
@@ -49,11 +50,16 @@ def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int) -> l
     active = section.active_microbatches if has_backward else cfg.active_microbatches
     plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active)
     actions = []
+    seen: dict[tuple[str, int], int] = {}
     for a in plan.actions[pp_rank]:
         kind = str(a.kind)
         if kind == "W":  # autograd computes weight and input gradients together
             continue
-        actions.append(("B" if kind in ("B", "I") else "F", a.microbatch))
+        kind = "B" if kind in ("B", "I") else "F"
+        ordinal = seen.get((kind, a.microbatch), 0)
+        seen[(kind, a.microbatch)] = ordinal + 1
+        if (kind, ordinal) not in light:  # light actions run beside the baton holder
+            actions.append((kind, a.microbatch))
     return actions
 
 
@@ -109,7 +115,7 @@ class StepFunction:
         plan = None
         if recorded is not None:
             try:
-                plan = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank)
+                plan = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light)
             except SMPError as e:
                 logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
         baton = Baton(plan, policy, cfg.active_microbatches, float(cfg.comm_timeout),
@@ -125,6 +131,7 @@ class StepFunction:
         model.last_timeline = list(engine.events)
         if recorded is None and info is not None:
             model._plans[key] = (list(info["chain"]), bool(info["backward"]))
+            engine.mark_light(engine.events)
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)
