@@ -19,7 +19,7 @@ def _plan(argv: Sequence[str]) -> int:
         # that part lives in the torch frontend and is imported only here.
         from smp.torch.hf_plan import main as hf_plan_main
 
-        return hf_plan_main(argv)
+        return int(hf_plan_main(argv))
     from smp.pipeline.cli import main as plan_main
 
     return plan_main(argv)

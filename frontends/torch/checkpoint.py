@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import torch
+
 from smp import __version__ as _smp_version
 from smp.errors import SMPCheckpointError
 

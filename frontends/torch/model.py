@@ -244,7 +244,7 @@ class DistributedModel(nn.Module):
                 local_ids.update(id(p) for p in m.parameters(recurse=False))
         self._local_param_ids = local_ids
         if self._cfg.pipeline_parallel_degree > 1:
-            for path, m in modules.items():
+            for m in modules.values():
                 for p in m.parameters(recurse=False):
                     if id(p) not in local_ids:
                         # Another rank owns it: free the storage, keep the Parameter object.

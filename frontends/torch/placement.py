@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 import smp.state as smp_state
-from smp.partition import ModuleNode, ModuleTree, PartitionScopes, TreePartition, exclusive_compute, partition_tree
+from smp.partition import (
+    ModuleNode,
+    ModuleTree,
+    PartitionScopes,
+    TreePartition,
+    exclusive_compute,
+    partition_tree,
+)
 
 from .engine.wire import map_structure
 

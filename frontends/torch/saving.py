@@ -18,7 +18,7 @@ import smp.state as smp_state
 from smp.errors import SMPCheckpointError
 
 from . import checkpoint as files
-from .comm import WORLD, allgather, barrier, pp_rank, rdp_rank, rank, tp_rank
+from .comm import WORLD, allgather, barrier, pp_rank, rank, rdp_rank, tp_rank
 
 # State read by resume_from_checkpoint before the model or optimizer existed; applied when they appear.
 pending: dict[str, Any] = {}

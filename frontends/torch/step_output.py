@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from smp.errors import StepOutputError
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from smp.errors import StepOutputError
 
 __all__ = ["StepOutput", "TorchStepOps"]
 

@@ -55,7 +55,7 @@ class Key:
 
 
 def _active_microbatches_default(cfg: Mapping[str, Any]) -> int:
-    return max(1, min(cfg["pipeline_parallel_degree"] + 2, cfg["microbatches"]))
+    return max(1, min(int(cfg["pipeline_parallel_degree"]) + 2, int(cfg["microbatches"])))
 
 
 def _memory_weight_default(cfg: Mapping[str, Any]) -> float:

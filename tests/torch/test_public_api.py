@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import smp.torch
+
 from smp.config import ALIASES, KEYS
 
 TORCH_ALL = {

@@ -31,9 +31,8 @@ def test_single_process_init_and_rank_api() -> None:
 
 
 def test_config_error_before_any_process_group() -> None:
-    import torch.distributed as dist
-
     import smp.torch as smp
+    import torch.distributed as dist
 
     with pytest.raises(ValueError, match="microbatches"):
         smp.init({"microbatches": 0})
@@ -75,9 +74,8 @@ def test_four_ranks_pp2_tp2_groups_match_the_rank_map() -> None:
 
 
 def _p2p() -> list:
-    import torch
-
     import smp.torch as smp
+    import torch
 
     smp.init({"pipeline_parallel_degree": 2, "ddp": True})
     out = []
@@ -94,7 +92,8 @@ def _p2p() -> list:
     out.append(gathered)
     big = smp.allgather(torch.full((1000,), float(smp.rank())), smp.WORLD)
     out.append([float(t.sum()) for t in big])
-    smp.pp_barrier(); smp.dp_barrier(); smp.mp_barrier(); smp.tp_barrier(); smp.rdp_barrier()
+    for barrier in (smp.pp_barrier, smp.dp_barrier, smp.mp_barrier, smp.tp_barrier, smp.rdp_barrier):
+        barrier()
     return out
 
 
