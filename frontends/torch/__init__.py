@@ -53,6 +53,7 @@ from .comm import (
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .placement import partition, set_partition
+from .recompute import set_activation_checkpointing
 from .runtime import init, is_initialized, reset, shutdown
 from .saving import load, resume_from_checkpoint, save, save_checkpoint
 from .step import StepOutput, step
@@ -75,6 +76,7 @@ __all__ = [
     "save",
     "save_checkpoint",
     "partition",
+    "set_activation_checkpointing",
     "set_partition",
     "step",
     "DP_GROUP",

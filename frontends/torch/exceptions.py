@@ -24,10 +24,12 @@ from .model import (
     MultipleDistributedModelError,
 )
 from .optimizer import DistributedOptimizerError
+from .recompute import DistributedModelNotWrappedError
 from .step import StepFunctionCalledError
 
 __all__ = [
     "BwdExecutionNotInStepFnError",
+    "DistributedModelNotWrappedError",
     "DistributedOptimizerError",
     "FwdExecutionNotInStepFnError",
     "ModelNotPartitionedError",

@@ -456,8 +456,13 @@ class DistributedModel(nn.Module):
             full: dict[str, Any] = {}
             for part in allgather(self.local_state_dict(), MP_GROUP):
                 full.update(part)
-            for name, p in self.module.named_parameters():
-                if name in full and p.numel() == 0:
-                    p.data = full[name].clone()
+            local = set(self._local_state_tensors())
+            with torch.no_grad():
+                for name, t in self.module.state_dict(keep_vars=True).items():
+                    if name in full and name not in local:
+                        if isinstance(t, nn.Parameter) and t.numel() == 0:
+                            t.data = full[name].clone()
+                        elif t.shape == full[name].shape:
+                            t.copy_(full[name])
         self.module.cpu()
         return self

@@ -42,14 +42,16 @@ class StepFunctionCalledError(SMPError, RuntimeError):
 
 
 def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int,
-              light: set[tuple[str, int]]) -> list[tuple[str, int]]:
+              light: set[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[tuple[str, int]],
+                                                    list[tuple[str, int]]]:
+    """This rank's plan as (kind, microbatch) pairs: the baton's actions, all actions, the light ones."""
     from smp.pipeline import build_plan
 
     section = cfg.pipeline_section()
     name = section.schedule if has_backward else "_only_forward"
     active = section.active_microbatches if has_backward else cfg.active_microbatches
     plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active)
-    actions = []
+    actions, every, lights = [], [], []
     seen: dict[tuple[str, int], int] = {}
     for a in plan.actions[pp_rank]:
         kind = str(a.kind)
@@ -58,9 +60,12 @@ def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int,
         kind = "B" if kind in ("B", "I") else "F"
         ordinal = seen.get((kind, a.microbatch), 0)
         seen[(kind, a.microbatch)] = ordinal + 1
-        if (kind, ordinal) not in light:  # light actions run beside the baton holder
+        every.append((kind, a.microbatch))
+        if (kind, ordinal) in light:  # light actions run beside the baton holder
+            lights.append((kind, a.microbatch))
+        else:
             actions.append((kind, a.microbatch))
-    return actions
+    return actions, every, lights
 
 
 class StepFunction:
@@ -112,14 +117,19 @@ class StepFunction:
         key = id(self)
         recorded = model._plans.get(key)
         policy = "simple" if cfg.pipeline == "simple" else "interleaved"
-        plan = None
+        plan = expected = None
+        lights: list[tuple[str, int]] = []
         if recorded is not None:
             try:
-                plan = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light)
+                plan, expected, lights = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light)
             except SMPError as e:
                 logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
-        baton = Baton(plan, policy, cfg.active_microbatches, float(cfg.comm_timeout),
-                      on_fallback=lambda reason: _fallback(engine, reason))
+        # The first (recording) step runs one microbatch at a time: its order cannot depend on
+        # timing, so buffers such as BatchNorm statistics see the microbatches in order, and the
+        # durations measured to pick light actions are undisturbed.
+        active = cfg.active_microbatches if recorded is not None else 1
+        baton = Baton(plan, policy, active, float(cfg.comm_timeout),
+                      on_fallback=engine.notify_dynamic, expected=expected, light_plan=lights)
         leader = model._pp_rank == 0
         bodies = [functools.partial(self.func, *a, **k) for a, k in parts] if leader else None
 
@@ -136,17 +146,6 @@ class StepFunction:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)
         return results
-
-
-_fallback_logged = False
-
-
-def _fallback(engine: Any, reason: str) -> None:
-    global _fallback_logged
-    if not _fallback_logged:
-        _fallback_logged = True
-        logger.warning("this step left the recorded chain (%s): SMP v1's dynamic order is used", reason)
-    engine.notify_dynamic(reason)
 
 
 def step(func: Callable[..., Any] | None = None, *, non_split_inputs: Any = None, input_split_axes: Any = None,

@@ -14,8 +14,8 @@ TORCH_ALL = {
     "get_tp_group", "get_tp_process_group", "get_world_process_group", "init", "is_initialized", "is_tracing",
     "load", "local_rank", "local_size", "mp_barrier", "mp_rank", "mp_size", "num_microbatches", "partition",
     "pp_barrier", "pp_rank", "pp_size", "rank", "rdp_barrier", "rdp_rank", "rdp_size", "recv_from", "reset",
-    "resume_from_checkpoint", "save", "save_checkpoint", "send", "set_partition", "shutdown", "size", "state",
-    "step", "tp_barrier", "tp_rank", "tp_size",
+    "resume_from_checkpoint", "save", "save_checkpoint", "send", "set_activation_checkpointing", "set_partition",
+    "shutdown", "size", "state", "step", "tp_barrier", "tp_rank", "tp_size",
 }
 
 CONFIG_KEYS = {

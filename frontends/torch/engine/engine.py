@@ -163,7 +163,7 @@ class Engine:
         assert self.baton is not None
         ordinal = task.counts.get(kind, 0)
         task.counts[kind] = ordinal + 1
-        light = (kind, ordinal) in self.light and not new
+        light = (kind, ordinal) in self.light and not new and self.baton.acquire_light(kind, task.microbatch)
         task.in_light = light
         if not light:
             self.baton.acquire(kind, task.microbatch, new=new)
@@ -178,8 +178,7 @@ class Engine:
             ev.end = time.time()
         if task.in_light:
             task.in_light = False
-            if finished:
-                self.baton.finish(task.microbatch)
+            self.baton.release_light(finished_mb=task.microbatch if finished else None)
             return
         self.baton.release(finished=finished)
 
@@ -409,6 +408,7 @@ class Engine:
             msg.src_pp = self.pp_ranks.index(msg.src)
             if msg.kind == DYNAMIC:
                 baton.go_dynamic(msg.body)
+                self._log_fallback(f"{msg.body} (seen on pp_rank {msg.src_pp})")
                 continue
             if msg.kind == ERROR:
                 error = RemoteRankError(msg.body["rank"], msg.body["text"])
@@ -453,8 +453,14 @@ class Engine:
         for task in self.tasks.values():
             task.inbox.put(stop)
 
+    def _log_fallback(self, reason: str) -> None:
+        if not getattr(self, "_fallback_logged", False):
+            self._fallback_logged = True
+            logger.warning("this step left the recorded chain: %s; SMP v1's dynamic order is used", reason)
+
     def notify_dynamic(self, reason: str) -> None:
-        """Tell the pipeline peers this rank left the static plan."""
+        """Tell the pipeline peers this rank left the static plan (and log it once)."""
+        self._log_fallback(reason)
         for pp in range(len(self.pp_ranks)):
             if pp != self.pp_rank:
                 self._send(pp, DYNAMIC, -1, reason)

@@ -38,7 +38,9 @@ class Baton:
     """
 
     def __init__(self, plan: Sequence[tuple[str, int]] | None, policy: str, active_microbatches: int,
-                 timeout_s: float, on_fallback: Callable[[str], None] | None = None) -> None:
+                 timeout_s: float, on_fallback: Callable[[str], None] | None = None,
+                 expected: Sequence[tuple[str, int]] | None = None,
+                 light_plan: Sequence[tuple[str, int]] = ()) -> None:
         self._cv = threading.Condition()
         self.plan = list(plan) if plan is not None else None
         self.policy = policy
@@ -53,8 +55,13 @@ class Baton:
         self.order: list[tuple[str, int]] = []  # what actually ran, for tests and timelines
         self.fallback_reason: str | None = None
         self._expected: dict[int, list[str]] = {}
+        self.light_plan = list(light_plan)
+        self.light_cursor = 0
+        self.light_running = False
         if self.plan is not None:
-            for kind, mb in self.plan:
+            # Every action of each microbatch on this rank, light ones included (``expected``),
+            # in order: an action out of this sequence means the chain changed.
+            for kind, mb in (expected if expected is not None else self.plan):
                 self._expected.setdefault(mb, []).append(kind)
 
     @property
@@ -144,6 +151,44 @@ class Baton:
             if new:
                 self.started.add(mb)
             self.order.append((kind, mb))
+
+    def acquire_light(self, kind: str, mb: int) -> bool:
+        """Start a light action beside the baton holder, in the plan's order of light actions.
+
+        Light actions run one at a time among themselves and in plan order, so a module in a light
+        segment (a BatchNorm, say) still sees the microbatches in the same order as planned. Returns
+        False in dynamic mode (or when the step left the plan): run it as a normal action then.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            if self.plan is None:
+                return False
+            self._check_expected(kind, mb)
+            while True:
+                if self.plan is None or self.light_cursor >= len(self.light_plan):
+                    if self.plan is not None:
+                        self._go_dynamic_locked(f"microbatch {mb} asked for a light {kind} after the plan ended", True)
+                    return False
+                if not self.light_running and self.light_plan[self.light_cursor] == (kind, mb):
+                    break
+                if (kind, mb) not in self.light_plan[self.light_cursor:]:
+                    self._go_dynamic_locked(f"microbatch {mb} asked for a light {kind} the plan does not have", True)
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(f"microbatch {mb} waited {self.timeout_s:g} s to run a light {kind}")
+                self._cv.wait(min(left, 1.0))
+            self.light_running = True
+            self.order.append((kind, mb))
+            return True
+
+    def release_light(self, *, finished_mb: int | None = None) -> None:
+        with self._cv:
+            self.light_running = False
+            self.light_cursor += 1
+            if finished_mb is not None:
+                self.finished.add(finished_mb)
+            self._cv.notify_all()
 
     def finish(self, mb: int) -> None:
         """Mark ``mb`` done without holding the baton (its last action ran light)."""

@@ -1,0 +1,71 @@
+"""``smp.set_activation_checkpointing``: recompute a module's forward during backward.
+
+The module's activations are not kept between forward and backward; only its inputs are, and its
+forward runs again when backward reaches it (``torch.utils.checkpoint``, non-reentrant). On a
+pipeline this happens on the rank that owns the module, inside the backward request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import smp.state as smp_state
+from smp.errors import SMPError
+
+STRATEGIES = ("each", "contiguous")
+
+
+class DistributedModelNotWrappedError(SMPError, RuntimeError):
+    """set_activation_checkpointing was called before smp.DistributedModel(...)."""
+
+
+def _wrap(module: nn.Module, preserve_rng_state: bool) -> None:
+    if getattr(module, "_smp_checkpointed", False):
+        return
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                                           **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    module._smp_checkpointed = True  # type: ignore[assignment]
+
+
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False,
+                                 strategy: str = "each") -> None:
+    """Recompute ``module``'s forward in backward instead of keeping its activations (SMP v1 signature).
+
+    Call it after ``smp.DistributedModel(...)`` and before the first step. For an ``nn.Sequential``,
+    ``strategy="each"`` checkpoints every child separately and ``"contiguous"`` the whole sequence
+    (one recomputation per run of children on one rank); other modules are checkpointed whole.
+    ``pack_args_as_tuple`` is accepted and ignored (a no-op since SMP v1.12).
+
+    Example:
+        >>> model = smp.DistributedModel(net)
+        >>> for block in net.blocks:
+        ...     smp.set_activation_checkpointing(block)
+    """
+    model = smp_state.current().model
+    if model is None:
+        raise DistributedModelNotWrappedError(
+            "call smp.set_activation_checkpointing after smp.DistributedModel(...) and before the first step")
+    if model.partitioned and smp_state.current().cfg is not None and \
+            smp_state.current().cfg.pipeline_parallel_degree > 1:
+        raise DistributedModelNotWrappedError("set_activation_checkpointing must be called before the first step")
+    if strategy not in STRATEGIES and not strategy.startswith("group_"):
+        raise ValueError(f"strategy={strategy!r}: use 'each', 'contiguous' or 'group_<n>'")
+    if strategy != "each" and not isinstance(module, nn.Sequential):
+        raise ValueError(f"strategy={strategy!r} is only for nn.Sequential modules (SMP v1 rule); use 'each'")
+    if isinstance(module, nn.Sequential) and strategy == "each":
+        for child in module:
+            _wrap(child, preserve_rng_state)
+    else:
+        _wrap(module, preserve_rng_state)
