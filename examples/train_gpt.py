@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import smp.torch as smp  # was: import smdistributed.modelparallel.torch as smp  # noqa: E402
+
 from examples.gpt_model import gpt, lm_loss  # noqa: E402
 
 CORPUS = ["argparse.py", "dataclasses.py", "textwrap.py", "collections/__init__.py", "json/encoder.py",

@@ -2,7 +2,7 @@
 
 import smp.state as _state_mod
 
-from . import exceptions
+from . import amp, exceptions
 from .comm import (
     DP_GROUP,
     MP_GROUP,
@@ -53,6 +53,7 @@ from .comm import (
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .placement import partition, set_partition
+from .patches.checkpoint import checkpoint
 from .recompute import set_activation_checkpointing
 from .runtime import init, is_initialized, reset, shutdown
 from .saving import load, resume_from_checkpoint, save, save_checkpoint
@@ -67,6 +68,8 @@ def is_tracing() -> bool:
 state = _state_mod.current()
 
 __all__ = [
+    "amp",
+    "checkpoint",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",

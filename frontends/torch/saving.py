@@ -1,6 +1,6 @@
 """SMP v1 checkpoint API: ``smp.save``/``smp.load`` and ``smp.save_checkpoint``/``smp.resume_from_checkpoint``.
 
-The file layout and the crash-safe write order live in checkpoint.py; this module decides which
+The file layout and the crash-safe write order live in checkpoint_files.py; this module decides which
 rank writes what. ``save_checkpoint`` is a collective over the world: rank 0 prepares the tag,
 every rank with ``rdp_rank() == 0`` writes its model and optimizer part, rank 0 commits the tag to
 ``newest`` only after everyone wrote, so a crash mid-save leaves the previous tag loadable.
@@ -17,7 +17,7 @@ import smp
 import smp.state as smp_state
 from smp.errors import SMPCheckpointError
 
-from . import checkpoint as files
+from . import checkpoint_files as files
 from .comm import WORLD, allgather, barrier, pp_rank, rank, rdp_rank, tp_rank
 
 # State read by resume_from_checkpoint before the model or optimizer existed; applied when they appear.

@@ -55,7 +55,7 @@ def _save_then_crash(path: str) -> list[float]:
     smp.save_checkpoint(path, "step3", model=model, optimizer=opt, user_content={"step": 3})
     losses += _train(range(3, 4), smp, model, opt, step)
     if smp.rank() == 1:
-        from smp.torch import checkpoint as files
+        from smp.torch import checkpoint_files as files
 
         def crash(*_: Any, **__: Any) -> None:
             os._exit(17)  # the process dies in the middle of writing tag step4

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from smp.torch import checkpoint as ckpt
-from smp.torch.checkpoint import (
+from smp.torch import checkpoint_files as ckpt
+from smp.torch.checkpoint_files import (
     atomic_save,
     atomic_write_text,
     detect_rankinfo,
@@ -111,7 +111,7 @@ def test_failed_text_write_leaves_previous_file(tmp_path: Path, monkeypatch: pyt
 KILL_MID_WRITE = textwrap.dedent("""
     import io, os, sys, time
     import torch
-    from smp.torch import checkpoint as ckpt
+    from smp.torch import checkpoint_files as ckpt
 
     path, n_saves = sys.argv[1], int(sys.argv[2])
     real_save = torch.save
@@ -373,7 +373,7 @@ def test_update_newest_refuses_an_incomplete_checkpoint(tmp_path: Path) -> None:
 KILL_DURING_SAVE = textwrap.dedent("""
     import io, os, sys, time
     import torch
-    from smp.torch import checkpoint as ckpt
+    from smp.torch import checkpoint_files as ckpt
 
     path, stall_on = sys.argv[1], sys.argv[2]
     real_save, real_write_text = ckpt.atomic_save, ckpt.atomic_write_text

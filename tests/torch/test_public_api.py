@@ -8,14 +8,15 @@ from smp.config import ALIASES, KEYS
 
 TORCH_ALL = {
     "CommGroup", "DP_GROUP", "DistributedModel", "DistributedOptimizer", "MP_GROUP", "PP_GROUP", "RDP_GROUP",
-    "RankType", "StepOutput", "TP_GROUP", "WORLD", "allgather", "barrier", "broadcast", "dp_barrier", "dp_rank",
-    "dp_size", "exceptions", "gather", "get_dp_group", "get_dp_process_group", "get_mp_group",
-    "get_mp_process_group", "get_pp_group", "get_pp_process_group", "get_rdp_group", "get_rdp_process_group",
-    "get_tp_group", "get_tp_process_group", "get_world_process_group", "init", "is_initialized", "is_tracing",
-    "load", "local_rank", "local_size", "mp_barrier", "mp_rank", "mp_size", "num_microbatches", "partition",
-    "pp_barrier", "pp_rank", "pp_size", "rank", "rdp_barrier", "rdp_rank", "rdp_size", "recv_from", "reset",
-    "resume_from_checkpoint", "save", "save_checkpoint", "send", "set_activation_checkpointing", "set_partition",
-    "shutdown", "size", "state", "step", "tp_barrier", "tp_rank", "tp_size",
+    "RankType", "StepOutput", "TP_GROUP", "WORLD", "allgather", "amp", "barrier", "broadcast", "checkpoint",
+    "dp_barrier", "dp_rank", "dp_size", "exceptions", "gather", "get_dp_group", "get_dp_process_group",
+    "get_mp_group", "get_mp_process_group", "get_pp_group", "get_pp_process_group", "get_rdp_group",
+    "get_rdp_process_group", "get_tp_group", "get_tp_process_group", "get_world_process_group", "init",
+    "is_initialized", "is_tracing", "load", "local_rank", "local_size", "mp_barrier", "mp_rank", "mp_size",
+    "num_microbatches", "partition", "pp_barrier", "pp_rank", "pp_size", "rank", "rdp_barrier", "rdp_rank",
+    "rdp_size", "recv_from", "reset", "resume_from_checkpoint", "save", "save_checkpoint", "send",
+    "set_activation_checkpointing", "set_partition", "shutdown", "size", "state", "step", "tp_barrier", "tp_rank",
+    "tp_size",
 }
 
 CONFIG_KEYS = {

@@ -1,0 +1,1 @@
+"""SMP v1 import paths kept for scripts (``smp.torch.patches.checkpoint``)."""
