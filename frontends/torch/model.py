@@ -104,6 +104,7 @@ class DistributedModel(nn.Module):
         self._tracing = False
         self._steps = 0
         self._plans: dict[Any, tuple[list[int], bool]] = {}
+        self._plan_costs: dict[Any, Any] = {}
         self._local_param_ids: set[int] = set()
         self.last_timeline: list[Any] = []
         st.model = self

@@ -41,16 +41,38 @@ class StepFunctionCalledError(SMPError, RuntimeError):
     """An ``@smp.step`` function was called from inside another one."""
 
 
+def _segment_costs(chain: list[int], per_rank: list[dict[tuple[str, int], float]]) -> Any:
+    """Measured per-segment costs for the scheduler from every rank's (kind, ordinal) durations.
+
+    Segment s runs on rank chain[s]; its forward is that rank's ``ordinal``-th forward of a
+    microbatch (ordinal = earlier visits to the rank), its backward the rank's k-th backward with
+    k = later visits (backward walks the chain in reverse).
+    """
+    from smp.pipeline import Costs
+
+    forward, backward = [], []
+    for s, rank in enumerate(chain):
+        times = per_rank[rank]
+        f = times.get(("F", chain[:s].count(rank)))
+        b = times.get(("B", chain[s + 1:].count(rank)))
+        if f is None or b is None:
+            return None
+        forward.append(max(f, 1e-6))
+        backward.append(max(b, 1e-6))
+    return Costs(forward=forward, backward=backward, backward_weight=[b / 2 for b in backward])
+
+
 def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int,
-              light: set[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[tuple[str, int]],
-                                                    list[tuple[str, int]]]:
+              light: set[tuple[str, int]], costs: Any = None) -> tuple[list[tuple[str, int]], list[tuple[str, int]],
+                                                                       list[tuple[str, int]]]:
     """This rank's plan as (kind, microbatch) pairs: the baton's actions, all actions, the light ones."""
     from smp.pipeline import build_plan
 
     section = cfg.pipeline_section()
     name = section.schedule if has_backward else "_only_forward"
     active = section.active_microbatches if has_backward else cfg.active_microbatches
-    plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active)
+    plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active,
+                      costs=costs)
     actions, every, lights = [], [], []
     seen: dict[tuple[str, int], int] = {}
     for a in plan.actions[pp_rank]:
@@ -121,7 +143,8 @@ class StepFunction:
         lights: list[tuple[str, int]] = []
         if recorded is not None:
             try:
-                plan, expected, lights = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light)
+                plan, expected, lights = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light,
+                                                   model._plan_costs.get(key))
             except SMPError as e:
                 logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
         # The first (recording) step runs one microbatch at a time: its order cannot depend on
@@ -142,6 +165,12 @@ class StepFunction:
         if recorded is None and info is not None:
             model._plans[key] = (list(info["chain"]), bool(info["backward"]))
             engine.mark_light(engine.events)
+            # The dynamic rules (interleaved, simple) become static plans by simulating them with
+            # the costs measured on this first step (every pipeline rank shares its durations).
+            from .comm import PP_GROUP, allgather
+
+            per_rank = allgather(engine.durations(engine.events), PP_GROUP)
+            model._plan_costs[key] = _segment_costs(list(info["chain"]), per_rank)
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)

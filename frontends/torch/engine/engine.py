@@ -182,6 +182,15 @@ class Engine:
             return
         self.baton.release(finished=finished)
 
+    @staticmethod
+    def durations(events: Sequence[Event]) -> dict[tuple[str, int], float]:
+        """Median seconds of each (kind, ordinal) action of this rank in ``events``."""
+        by: dict[tuple[str, int], list[float]] = {}
+        for e in events:
+            if e.end:
+                by.setdefault((e.kind, e.ordinal), []).append(e.end - e.start)
+        return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+
     def mark_light(self, events: Sequence[Event], share: float = 0.15) -> set[tuple[str, int]]:
         """Choose the light actions from a step's measured events.
 
@@ -191,11 +200,7 @@ class Engine:
         other ranks wait with it. Actions whose median time is below ``share`` of this rank's
         longest kind of action run beside the baton holder instead; they cost the holder little.
         """
-        by: dict[tuple[str, int], list[float]] = {}
-        for e in events:
-            if e.end:
-                by.setdefault((e.kind, e.ordinal), []).append(e.end - e.start)
-        med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+        med = self.durations(events)
         top = max(med.values(), default=0.0)
         # The leader's first forward admits a new microbatch: that one always follows the plan.
         self.light = {k for k, v in med.items() if top > 0 and v < share * top
