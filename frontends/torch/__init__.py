@@ -58,6 +58,7 @@ from .recompute import set_activation_checkpointing
 from .runtime import init, is_initialized, reset, shutdown
 from .saving import load, resume_from_checkpoint, save, save_checkpoint
 from .step import StepOutput, step
+from .tp import nn, set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module, transform
 
 
 def is_tracing() -> bool:
@@ -133,4 +134,10 @@ __all__ = [
     "tp_barrier",
     "tp_rank",
     "tp_size",
+    "nn",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "tp_register",
+    "tp_register_with_module",
+    "transform",
 ]

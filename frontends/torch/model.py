@@ -81,6 +81,17 @@ class DistributedModel(nn.Module):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
         if not isinstance(module, nn.Module):
             raise TypeError(f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        if st.cfg.tensor_parallel_degree > 1 and not st.cfg.prescaled_batch:
+            raise SMPError(
+                "tensor_parallel_degree > 1 needs prescaled_batch: True in smp for now: every rank of a TP group "
+                "must receive the same batch (shard your data by smp.rdp_rank() / smp.rdp_size()); SMP v1's "
+                "batch scaling over the TP group for per-rank batches is not implemented yet")
+        if st.cfg.tensor_parallel_degree > 1:
+            # Modules marked with smp.tensor_parallelism() / set_tensor_parallelism() become their
+            # distributed counterparts here, before partitioning (SMP v1 order).
+            from .tp import apply_tensor_parallelism
+
+            module = apply_tensor_parallelism(module)
         super().__init__()
         self.module = module
         self.trace_device = trace_device
@@ -325,23 +336,26 @@ class DistributedModel(nn.Module):
 
     # --- data parallel ------------------------------------------------------------------------------
 
-    def _dp_group(self) -> tuple[Any, list[int]]:
+    def _reduction_groups(self) -> tuple[tuple[Any, list[int]], tuple[Any, list[int]]]:
+        """(DP group, RDP group): replicated tensors sync over DP, TP-sharded ones over RDP."""
         rt = runtime()
-        return rt.groups[GroupKind.DP], rt.group_ranks[GroupKind.DP]
+        return ((rt.groups[GroupKind.DP], rt.group_ranks[GroupKind.DP]),
+                (rt.groups[GroupKind.RDP], rt.group_ranks[GroupKind.RDP]))
 
     def _broadcast_from_dp0(self, *, params: bool) -> None:
-        """Make every DP replica start from DP rank 0's parameters (and buffers)."""
+        """Make every DP replica start from DP rank 0's parameters and buffers (TP shards: RDP rank 0's)."""
         if not self._cfg.ddp:
             return
-        pg, ranks = self._dp_group()
-        if len(ranks) < 2:
-            return
+        from .nn.params import is_tp_sharded
+
+        (dp, dp_ranks), (rdp, rdp_ranks) = self._reduction_groups()
         tensors = [b for _, b in self.local_named_buffers()]
         if params:
-            tensors = [p.data for p in self.local_parameters()] + tensors
+            tensors = [p for p in self.local_parameters()] + tensors
         for t in tensors:
-            if t.numel():
-                wait(dist.broadcast(t, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
+            pg, ranks = (rdp, rdp_ranks) if is_tp_sharded(t) else (dp, dp_ranks)
+            if t.numel() and len(ranks) > 1:
+                wait(dist.broadcast(t.data, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
 
     def _sync_gradients(self) -> None:
         """Average gradients over microbatches, then over the DP group (every backward_passes_per_step)."""
@@ -352,7 +366,16 @@ class DistributedModel(nn.Module):
                 g.div_(cfg.microbatches)
         if not cfg.ddp or self._steps % self.backward_passes_per_step:
             return
-        pg, ranks = self._dp_group()
+        from .nn.params import is_tp_sharded
+
+        (dp, dp_ranks), (rdp, rdp_ranks) = self._reduction_groups()
+        params = [p for p in self.local_parameters() if p.grad is not None]
+        # TP-sharded gradients average over the replicas of the same shard (RDP), the rest over DP.
+        self._allreduce([p.grad for p in params if not is_tp_sharded(p)], dp, dp_ranks)
+        self._allreduce([p.grad for p in params if is_tp_sharded(p)], rdp, rdp_ranks)
+
+    def _allreduce(self, grads: list[torch.Tensor], pg: Any, ranks: list[int]) -> None:
+        """Average ``grads`` over ``pg`` in flat buckets of ``bucket_cap_mb``."""
         if len(ranks) < 2 or not grads:
             return
         cap = max(1, self.bucket_cap_mb) * 1024 * 1024

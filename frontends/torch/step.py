@@ -164,12 +164,18 @@ class StepFunction:
         model.last_timeline = list(engine.events)
         if recorded is None and info is not None:
             model._plans[key] = (list(info["chain"]), bool(info["backward"]))
-            engine.mark_light(engine.events)
             # The dynamic rules (interleaved, simple) become static plans by simulating them with
             # the costs measured on this first step (every pipeline rank shares its durations).
-            from .comm import PP_GROUP, allgather
+            from .comm import PP_GROUP, TP_GROUP, allgather
 
             per_rank = allgather(engine.durations(engine.events), PP_GROUP)
+            if cfg.tensor_parallel_degree > 1:
+                # TP peers sit in different pipelines and meet in collectives inside their actions:
+                # they must run the very same order, so all of them use tp_rank 0's measurements.
+                per_rank = allgather(per_rank, TP_GROUP)[0]
+                # Light actions would issue TP collectives from a second thread, in an order that
+                # differs between peers: with TP every action takes the baton.
+            engine.mark_light(per_rank[model._pp_rank] if cfg.tensor_parallel_degree == 1 else {})
             model._plan_costs[key] = _segment_costs(list(info["chain"]), per_rank)
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",

@@ -16,7 +16,8 @@ TORCH_ALL = {
     "num_microbatches", "partition", "pp_barrier", "pp_rank", "pp_size", "rank", "rdp_barrier", "rdp_rank",
     "rdp_size", "recv_from", "reset", "resume_from_checkpoint", "save", "save_checkpoint", "send",
     "set_activation_checkpointing", "set_partition", "shutdown", "size", "state", "step", "tp_barrier", "tp_rank",
-    "tp_size",
+    "tp_size", "nn", "set_tensor_parallelism", "tensor_parallelism", "tp_register", "tp_register_with_module",
+    "transform",
 }
 
 CONFIG_KEYS = {

@@ -191,8 +191,8 @@ class Engine:
                 by.setdefault((e.kind, e.ordinal), []).append(e.end - e.start)
         return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
-    def mark_light(self, events: Sequence[Event], share: float = 0.15) -> set[tuple[str, int]]:
-        """Choose the light actions from a step's measured events.
+    def mark_light(self, durations: dict[tuple[str, int], float], share: float = 0.15) -> set[tuple[str, int]]:
+        """Choose the light actions from this rank's measured (kind, ordinal) durations.
 
         A microbatch's short stop on a rank between two long actions of other ranks (the leader's
         loss between the last stage's forward and backward, a parent's glue between two children on
@@ -200,10 +200,9 @@ class Engine:
         other ranks wait with it. Actions whose median time is below ``share`` of this rank's
         longest kind of action run beside the baton holder instead; they cost the holder little.
         """
-        med = self.durations(events)
-        top = max(med.values(), default=0.0)
+        top = max(durations.values(), default=0.0)
         # The leader's first forward admits a new microbatch: that one always follows the plan.
-        self.light = {k for k, v in med.items() if top > 0 and v < share * top
+        self.light = {k for k, v in durations.items() if top > 0 and v < share * top
                       and not (self.pp_rank == 0 and k == (FORWARD, 0))}
         return self.light
 

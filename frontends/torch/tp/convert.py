@@ -1,0 +1,151 @@
+"""`transform`: turn a Hugging Face causal LM into its tensor-parallel version, keeping its weights.
+
+SMP v2's ``tsm.transform(model)`` for smp. Every TP rank calls it on the same model (same weights:
+built from the same seed, or loaded with ``from_pretrained``; or rank 0's, with
+``load_state_dict_from_rank0=True``). Each rank replaces, in place, the modules named by
+``config.base_model_tp_plan`` with their TP versions holding its slice of the *original*
+weights, splits the input embedding and the LM head by vocabulary, and installs a loss that works
+on the vocabulary-sharded logits without gathering them. Parameter names do not change.
+
+With tp = 2, a Llama layer becomes::
+
+    self_attn.q_proj/k_proj/v_proj  column-parallel   heads and key/value heads split in two
+    self_attn.o_proj                row-parallel      one allreduce
+    mlp.gate_proj/up_proj           column-parallel   intermediate_size split in two
+    mlp.down_proj                   row-parallel      one allreduce
+    embed_tokens, lm_head           vocabulary split  logits [B, S, vocab / 2] per rank
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from smp.torch.nn.embedding import VocabParallelEmbedding
+from smp.torch.nn.group import TPShardingError, group_size, resolve_group
+from smp.torch.nn.linear import ColumnParallelLinear
+from smp.torch.nn.rng import tp_rng
+from torch import nn
+
+from .loss import causal_lm_loss
+from .models import check_config, family_for
+from .styles import apply_style
+
+__all__ = ["transform"]
+
+
+def _targets(root: nn.Module, pattern: str) -> list[tuple[nn.Module, str]]:
+    """(owner, attr) pairs under ``root`` matching a plan path (``*`` is a layer index)."""
+    owner_pat, _, attr = pattern.rpartition(".")
+    regex = re.compile("^" + re.escape(owner_pat).replace(r"\*", r"\d+") + "$")
+    return [(m, attr) for name, m in root.named_modules() if regex.match(name) and hasattr(m, attr)]
+
+
+def _sync_from_rank0(model: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers (meta tensors elsewhere are allocated first)."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device="cpu")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def _enter_tp_rng(module: nn.Module, args: Any) -> None:
+    stack = ExitStack()
+    stack.enter_context(tp_rng())
+    module._smp_tp_rng = stack
+
+
+def _leave_tp_rng(module: nn.Module, args: Any, output: Any) -> None:
+    stack = module.__dict__.pop("_smp_tp_rng", None)
+    if stack is not None:
+        stack.close()
+
+
+def transform(model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+              config: Any = None, load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p",
+              parallel_loss: bool = True, process_group: Any = None) -> nn.Module:
+    """Convert a supported Hugging Face causal LM (GPT-NeoX, Llama, Mistral, Mixtral) for TP, in place.
+
+    Args:
+        model: a ``*ForCausalLM`` from transformers 5.x, identical on every TP rank (or on rank 0
+            only, with ``load_state_dict_from_rank0``).
+        device: move the converted model there.
+        dtype: cast the model to this dtype before converting.
+        config: SMP v2's extra config (e.g. ``MoEConfig``); only None is supported.
+        load_state_dict_from_rank0: broadcast rank 0's weights first; other ranks may hold
+            different or meta-device weights.
+        cp_comm_type: SMP v2 context-parallel argument; accepted, context parallelism is not
+            implemented.
+        parallel_loss: keep the logits vocabulary-sharded and compute the loss with
+            `smp.torch.nn.parallel_cross_entropy` (default). False gathers the full logits on every
+            rank and keeps Hugging Face's loss.
+        process_group: the TP group (default: smp's TP group).
+
+    Returns:
+        ``model``, converted. ``model(...).logits`` is this rank's ``vocab / tp`` slice when
+        ``parallel_loss``; ``smp.torch.nn.gather_from_tp(logits, group)`` gives the full logits.
+
+    Raises:
+        TPShardingError: listing every size that does not split (heads, key/value heads,
+            intermediate size, vocabulary).
+        ValueError: an unsupported ``model_type``.
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        >>> model = transform(transformers.LlamaForCausalLM(cfg))
+        >>> type(model.model.layers[0].self_attn.q_proj).__name__
+        'ColumnParallelLinear'
+    """
+    if getattr(model, "_smp_tp_transformed", False):
+        raise ValueError(f"{type(model).__name__} was already converted by smp.torch.transform; convert the "
+                         "original model once")
+    if config is not None:
+        raise ValueError(f"transform(config={config!r}): SMP v2 MoE/extra configs are not supported; pass None")
+    hf_config = model.config
+    group = resolve_group(process_group)
+    tp = group_size(group)
+    problems = check_config(hf_config, tp)
+    if problems:
+        raise TPShardingError(f"{type(model).__name__} cannot be split over tensor_parallel_degree={tp}:\n"
+                              + "\n".join(f"  - {p}" for p in problems)
+                              + "\nFix: choose a tensor_parallel_degree that divides these sizes.")
+    family = family_for(hf_config)
+    if load_state_dict_from_rank0:
+        _sync_from_rank0(model)
+    if dtype is not None:
+        model.to(dtype)
+    embed = model.get_input_embeddings()  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    tied = head is not None and head.weight is embed.weight
+    base = model.base_model  # type: ignore[union-attr]
+    for pattern, style in (getattr(hf_config, "base_model_tp_plan", None) or {}).items():
+        for owner, attr in _targets(base, pattern):
+            apply_style(style, owner, attr, group)
+    if isinstance(embed, nn.Embedding):
+        model.set_input_embeddings(VocabParallelEmbedding.from_embedding(embed, process_group=group))  # type: ignore[operator]
+    new_embed = model.get_input_embeddings()  # type: ignore[operator]
+    if isinstance(head, nn.Linear):
+        new_head = ColumnParallelLinear.from_linear(head, gather_output=not parallel_loss, process_group=group)
+        if tied:
+            new_head.weight = new_embed.weight
+        model.set_output_embeddings(new_head)  # type: ignore[operator]
+        if parallel_loss:
+            model.loss_function = causal_lm_loss(group)
+    for owner, attr in _targets(base, family.attention):
+        # Attention-probability dropout acts on this rank's heads: draw it from the TP-region
+        # generator (always_call restores the default generator even when forward raises).
+        attention = getattr(owner, attr)
+        attention.register_forward_pre_hook(_enter_tp_rng)
+        attention.register_forward_hook(_leave_tp_rng, always_call=True)
+    model._smp_tp_transformed = True
+    if device is not None:
+        model.to(device)
+    return model

@@ -1,0 +1,214 @@
+"""Marking modules for tensor parallelism and replacing the marked ones (SMP v1 reference 3.8).
+
+* ``with smp.tensor_parallelism(enabled=True, **kwargs):`` marks every supported module created
+  inside (see `smp.torch.tp.registry`); an inner ``enabled=False`` context overrides, and the
+  kwargs override the distributed module's constructor arguments.
+* ``smp.set_tensor_parallelism(module, enabled=True, **kwargs)`` marks the topmost supported
+  modules of an existing tree (disabling unmarks the whole subtree); only before
+  ``smp.DistributedModel`` wraps the model.
+* `apply_tensor_parallelism` (called when the model is wrapped) replaces, top down, each marked
+  supported module by its distributed version and does not descend into it, so only the
+  outermost supported module is distributed. A module whose sizes do not split over the TP
+  degree, or that shares a parameter with a module outside it, stays as it is, with a warning.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from smp.torch.nn.group import TPShardingError
+from torch import nn
+
+import smp.state as smp_state
+from smp.errors import SMPError
+
+from .registry import Registration, all_registrations, registration_for
+
+__all__ = ["DistributedModelWrappedError", "tensor_parallelism", "set_tensor_parallelism",
+           "apply_tensor_parallelism", "is_marked"]
+
+logger = logging.getLogger("smp")
+_MARK = "_smp_tp_mark"  # (enabled, overrides) on a module instance
+_ARGS = "_smp_tp_init_args"  # (args, kwargs) its constructor received, for init_hook
+
+# The stack of active tensor_parallelism() contexts of this process; each entry is
+# (enabled, overrides). Entered and left only by the context manager (restored in finally).
+_CONTEXTS: list[tuple[bool, dict[str, Any]]] = []
+
+
+class DistributedModelWrappedError(SMPError, RuntimeError):
+    """``set_tensor_parallelism`` was called after ``smp.DistributedModel`` wrapped the model (SMP v1 name)."""
+
+
+def is_marked(module: nn.Module) -> bool:
+    """True when ``module`` is marked for tensor parallelism."""
+    mark = getattr(module, _MARK, None)
+    return bool(mark and mark[0])
+
+
+def _patched_init(cls: type, original: Any) -> Any:
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if type(self) is cls and _CONTEXTS:
+            enabled, overrides = _CONTEXTS[-1]
+            object.__setattr__(self, _MARK, (enabled, dict(overrides)))
+            object.__setattr__(self, _ARGS, (args, kwargs))
+
+    return __init__
+
+
+@contextmanager
+def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
+    """Mark the supported modules created inside for tensor parallelism (SMP v1 ``smp.tensor_parallelism``).
+
+    Example:
+        >>> with tensor_parallelism():
+        ...     layer = nn.Linear(4, 4)
+        ...     with tensor_parallelism(enabled=False):
+        ...         kept = nn.Linear(4, 4)
+        >>> is_marked(layer), is_marked(kept)
+        (True, False)
+    """
+    patched: dict[type, Any] = {}
+    if not _CONTEXTS:
+        for cls in all_registrations():
+            patched[cls] = cls.__dict__.get("__init__")
+            cls.__init__ = _patched_init(cls, cls.__init__)  # type: ignore[misc]
+    _CONTEXTS.append((enabled, kwargs))
+    try:
+        yield
+    finally:
+        _CONTEXTS.pop()
+        for cls, original in patched.items():
+            if original is None:
+                del cls.__init__  # type: ignore[misc]
+            else:
+                cls.__init__ = original  # type: ignore[misc]
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Mark the topmost supported modules under ``module`` (or unmark the whole subtree).
+
+    Raises:
+        DistributedModelWrappedError: after ``smp.DistributedModel`` was created.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> set_tensor_parallelism(model)
+        >>> is_marked(model[0]), is_marked(model[1])
+        (True, False)
+    """
+    if smp_state.current().model is not None:
+        raise DistributedModelWrappedError(
+            "set_tensor_parallelism was called after smp.DistributedModel wrapped the model. Fix: call it "
+            "before smp.DistributedModel(model)")
+    if not enabled:
+        for m in module.modules():
+            if hasattr(m, _MARK):
+                object.__setattr__(m, _MARK, (False, {}))
+        return
+
+    def visit(m: nn.Module) -> None:
+        if registration_for(m) is not None:
+            object.__setattr__(m, _MARK, (True, dict(kwargs)))
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+
+
+class _Hooked(nn.Module):
+    """A registered distributed module called through SMP v1's forward and return hooks."""
+
+    def __init__(self, dist: nn.Module, reg: Registration) -> None:
+        super().__init__()
+        self.module = dist
+        self._forward_hook, self._return_hook = reg.forward_hook, reg.return_hook
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_hook is not None:
+            args, kwargs = self._forward_hook(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        return self._return_hook(out) if self._return_hook is not None else out
+
+
+def _accepted(target: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides ``target`` accepts; SMP v1 performance knobs it lacks (``fused_softmax``,
+    ``fused_bias_gelu``, ``attention_in_fp32``, ...) are dropped with a log line, as they do not
+    change the numbers."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return overrides
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return overrides
+    dropped = sorted(set(overrides) - set(params))
+    if dropped:
+        logger.info("tensor parallelism: %s ignores %s", getattr(target, "__name__", target), dropped)
+    return {k: v for k, v in overrides.items() if k in params}
+
+
+def _build(module: nn.Module, reg: Registration, overrides: dict[str, Any]) -> nn.Module:
+    if reg.convert is not None:
+        return reg.convert(module, **_accepted(reg.convert, overrides))
+    recorded = getattr(module, _ARGS, None)
+    if recorded is None and reg.init_hook is not None:
+        raise SMPError(f"{type(module).__name__} was marked with set_tensor_parallelism but not created inside "
+                       "smp.tensor_parallelism(), so its constructor arguments for init_hook are unknown. Fix: "
+                       "create it inside `with smp.tensor_parallelism():`")
+    args, kwargs = recorded if recorded is not None else ((), {})
+    if reg.init_hook is not None:
+        args, kwargs = reg.init_hook(*args, **kwargs)
+    dist = reg.dist_module(*args, **{**kwargs, **_accepted(reg.dist_module, overrides)})
+    return _Hooked(dist, reg) if (reg.forward_hook or reg.return_hook) else dist  # type: ignore[no-any-return]
+
+
+def _shares_weights(module: nn.Module, root: nn.Module) -> bool:
+    sub = {id(m) for m in module.modules()}
+    inside = {id(p) for p in module.parameters()}
+    outside = {id(p) for m in root.modules() if id(m) not in sub for p in m.parameters(recurse=False)}
+    return bool(inside & outside)
+
+
+def apply_tensor_parallelism(root: nn.Module) -> nn.Module:
+    """Replace every outermost marked supported module under ``root``; returns the (new) root.
+
+    Example:
+        >>> with tensor_parallelism():
+        ...     model = nn.Sequential(nn.Linear(4, 4))
+        >>> type(apply_tensor_parallelism(model)[0]).__name__
+        'DistributedLinear'
+    """
+
+    def convert(m: nn.Module) -> nn.Module | None:
+        reg = registration_for(m)
+        if reg is None or not is_marked(m):
+            return None
+        if _shares_weights(m, root):
+            logger.warning("tensor parallelism: %s shares a parameter with another module; it stays "
+                           "undistributed", type(m).__name__)
+            return None
+        try:
+            return _build(m, reg, getattr(m, _MARK)[1])
+        except TPShardingError as e:
+            logger.warning("tensor parallelism: %s stays undistributed: %s", type(m).__name__, e)
+            return None
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            new = convert(child)
+            if new is None:
+                visit(child)
+            else:
+                setattr(parent, name, new)
+
+    new_root = convert(root)
+    if new_root is not None:
+        return new_root
+    visit(root)
+    return root

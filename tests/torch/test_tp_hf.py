@@ -1,0 +1,187 @@
+"""`smp.torch.transform` of Hugging Face models at tp=2 against the unsharded model in one process."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.spawn import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+KINDS = ["llama", "mistral", "gpt_neox", "mixtral"]
+
+
+def _config(kind: str, **over: Any) -> Any:
+    common = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 32, "use_cache": False, **over}
+    if kind == "llama":
+        return transformers.LlamaConfig(**{"num_key_value_heads": 2, **common})
+    if kind == "mistral":
+        return transformers.MistralConfig(**{"num_key_value_heads": 2, **common})
+    if kind == "gpt_neox":
+        return transformers.GPTNeoXConfig(**common)
+    return transformers.MixtralConfig(**{"num_key_value_heads": 2, "num_local_experts": 4,
+                                         "num_experts_per_tok": 2, **common})
+
+
+def _model(kind: str, seed: int = 0, **over: Any) -> Any:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config(kind, **over), attn_implementation="eager")
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 64, (3, 10), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _tp2(kind: str, from_rank0: bool, tied: bool, parallel_loss: bool = True) -> str:
+    import smp.torch as smp
+    from smp.torch.nn import full_state_dict, gather_from_tp, is_tp_sharded
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
+    over = {"tie_word_embeddings": True} if tied else {}
+    dense = _model(kind, **over)
+    # With load_state_dict_from_rank0, rank 1 starts from different weights and must end up with rank 0's.
+    model = _model(kind, seed=smp.rank() if from_rank0 else 0, **over)
+    ids, labels = _batch()
+    ref = dense(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    smp.transform(model, load_state_dict_from_rank0=from_rank0, parallel_loss=parallel_loss)
+    group = smp.get_tp_process_group()
+    # Each rank stores exactly half of every sharded parameter, and all of every replicated one.
+    dense_params = dict(dense.named_parameters())
+    sharded = [n for n, p in model.named_parameters() if is_tp_sharded(p)]
+    assert is_tp_sharded(model.get_input_embeddings().weight) and is_tp_sharded(model.get_output_embeddings().weight)
+    assert len(sharded) >= 1 + 4 * 2, "per layer at least the attention and MLP projections"
+    for name, p in model.named_parameters():
+        assert p.numel() * (2 if name in sharded else 1) == dense_params[name].numel(), name
+    assert model.get_input_embeddings().weight.shape[0] == 32
+    out = model(input_ids=ids, labels=labels)
+    if parallel_loss:
+        assert out.logits.shape[-1] == 32, "the logits stay vocabulary-sharded"
+        logits = gather_from_tp(out.logits.detach(), group)
+    else:
+        assert out.logits.shape[-1] == 64, "parallel_loss=False gathers the logits"
+        logits = out.logits.detach()
+    torch.testing.assert_close(logits, ref.logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    out.loss.backward()
+    grads = full_state_dict(model, group, grads=True)
+    ref_grads = {n: p.grad for n, p in dense.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda s, n=name: f"{n}: {s}")
+    weights = full_state_dict(model, group)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0)
+    if tied:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return "ok"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transform_tp2_matches_the_unsharded_model(kind: str) -> None:
+    assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
+
+
+def test_transform_loads_rank0_weights_and_keeps_tied_embeddings() -> None:
+    assert run_ranks(_tp2, 2, args=("llama", True, True), timeout=180) == ["ok", "ok"]
+
+
+def test_transform_with_gathered_logits_and_hugging_face_loss() -> None:
+    assert run_ranks(_tp2, 2, args=("mistral", False, False, False), timeout=180) == ["ok", "ok"]
+
+
+def _bad_sizes() -> str:
+    import smp.torch as smp
+    from smp.torch.nn import TPShardingError
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
+    with pytest.raises(TPShardingError) as info:
+        smp.transform(_model("llama", num_key_value_heads=1, vocab_size=63))
+    text = str(info.value)
+    assert "num_key_value_heads=1" in text and "vocab_size=63" in text and "tensor_parallel_degree=2" in text
+    assert "num_attention_heads" not in text
+    return "ok"
+
+
+def test_transform_lists_every_size_that_does_not_split() -> None:
+    assert run_ranks(_bad_sizes, 2) == ["ok", "ok"]
+
+
+def test_transform_rejects_an_unsupported_model_type() -> None:
+    import smp.torch as smp
+
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32)
+    with pytest.raises(ValueError, match="model_type='gpt2'.*supported: \\['gpt_neox', 'llama', 'mistral', 'mixtral'\\]"):
+        smp.transform(transformers.GPT2LMHeadModel(cfg))
+
+
+def test_transform_at_tp1_keeps_the_model_numerically_identical() -> None:
+    import smp.torch as smp
+
+    model = _model("mixtral")
+    dense = copy.deepcopy(model)
+    ids, labels = _batch()
+    smp.transform(model)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, dense(input_ids=ids, labels=labels).loss)
+    with pytest.raises(ValueError, match="already converted"):
+        smp.transform(model)
+
+
+def test_attention_dropout_draws_from_the_tp_generator_and_is_reproducible() -> None:
+    import smp.torch as smp
+    from smp.torch.nn import seed_tensor_parallel
+
+    model = smp.transform(_model("llama", attention_dropout=0.5))
+    model.train()
+    ids, labels = _batch()
+    losses = []
+    for _ in range(2):
+        seed_tensor_parallel(3)
+        torch.manual_seed(11)
+        before = torch.get_rng_state()
+        losses.append(model(input_ids=ids, labels=labels).loss.item())
+        assert torch.equal(torch.get_rng_state(), before), "dropout must not draw from the default generator"
+    assert losses[0] == losses[1]
+    model.eval()
+    seed_tensor_parallel(3)
+    assert model(input_ids=ids, labels=labels).loss.item() != losses[0], "dropout was active in training"
+
+
+def _tp4() -> str:
+    import smp.torch as smp
+    from smp.torch.nn import full_state_dict, gather_from_tp
+
+    smp.init({"tensor_parallel_degree": 4, "ddp": True, "comm_timeout": 90.0})
+    dense, model = _model("llama", num_key_value_heads=4), _model("llama", num_key_value_heads=4)
+    ids, labels = _batch()
+    ref = dense(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    smp.transform(model)
+    from smp.torch.nn import is_tp_sharded
+
+    dense_params = dict(dense.named_parameters())
+    for name, p in model.named_parameters():  # exactly 1/4 of every sharded parameter per rank
+        assert p.numel() * (4 if is_tp_sharded(p) else 1) == dense_params[name].numel(), name
+    out = model(input_ids=ids, labels=labels)
+    group = smp.get_tp_process_group()
+    assert out.logits.shape[-1] == 16
+    torch.testing.assert_close(gather_from_tp(out.logits.detach(), group), ref.logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    out.loss.backward()
+    grads = full_state_dict(model, group, grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+    return "ok"
+
+
+def test_transform_tp4_on_4_ranks() -> None:
+    assert run_ranks(_tp4, 4, timeout=240) == ["ok"] * 4
