@@ -52,13 +52,20 @@ from .comm import (
 )
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
-from .placement import partition, set_partition
 from .patches.checkpoint import checkpoint
+from .placement import partition, set_partition
 from .recompute import set_activation_checkpointing
 from .runtime import init, is_initialized, reset, shutdown
 from .saving import load, resume_from_checkpoint, save, save_checkpoint
 from .step import StepOutput, step
-from .tp import nn, set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module, transform
+from .tp import (
+    nn,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+    transform,
+)
 
 
 def is_tracing() -> bool:
