@@ -97,6 +97,10 @@ class Baton:
             expected.pop(0)
 
     def _dynamic_allows(self, kind: str, mb: int, new: bool) -> bool:
+        if new and any(m not in self.started for m in range(mb)):
+            # New microbatches are admitted in index order (SMP v1), whatever order their threads
+            # reach the baton in: TP peers in other pipelines and buffers depend on it.
+            return False
         if new:
             in_flight = len(self.started - self.finished)
             if self.policy == "simple":
