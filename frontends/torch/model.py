@@ -269,6 +269,7 @@ class DistributedModel(nn.Module):
             cfg = self._cfg
             self._engine = Engine(Transport(rt.engine_group, pp_ranks, st.rank), pp_ranks, self._pp_rank,
                                   self._run_local, float(cfg.comm_timeout))
+            self._engine.strict_order = cfg.tensor_parallel_degree > 1
         self._partitioned = True
         self._broadcast_from_dp0(params=True)
         for model_sd, strict in self._pending_loads:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from smp.errors import RemoteRankError
+from smp.errors import RemoteRankError, SMPError
 
 from .order import BACKWARD, FORWARD, Baton
 from .wire import Message, Transport, pack, unpack
@@ -156,6 +156,7 @@ class Engine:
         # (kind, ordinal) of this rank's actions that are short relative to its others: they run
         # without the baton, next to the holder (see `mark_light`).
         self.light: set[tuple[str, int]] = set()
+        self.strict_order = False
 
     # --- baton with timeline -----------------------------------------------------------------
 
@@ -463,7 +464,17 @@ class Engine:
             logger.warning("this step left the recorded chain: %s; SMP v1's dynamic order is used", reason)
 
     def notify_dynamic(self, reason: str) -> None:
-        """Tell the pipeline peers this rank left the static plan (and log it once)."""
+        """Tell the pipeline peers this rank left the static plan (and log it once).
+
+        With ``strict_order`` (tensor parallelism: TP peers in other pipelines must run the very
+        same order, which the timing-dependent dynamic rule cannot promise) this is an error.
+        """
+        if self.strict_order:
+            raise SMPError(
+                f"this step left the recorded chain ({reason}); with tensor_parallel_degree > 1 every TP peer "
+                "must run the same order, which smp's dynamic fallback cannot guarantee. Fix: keep the chain of "
+                "ranks a microbatch visits the same in every step (no data-dependent module calls across ranks), "
+                "or use a separate @smp.step function for each path")
         self._log_fallback(reason)
         for pp in range(len(self.pp_ranks)):
             if pp != self.pp_rank:
