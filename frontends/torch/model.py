@@ -250,6 +250,8 @@ class DistributedModel(nn.Module):
         self._owner = dict(assignment)
         self._partition = part
         modules = dict(self.module.named_modules())
+        self._modules_by_path = modules
+        self._groups_cache: dict[str, list[tuple[int, int, int]]] = {}
         local_ids: set[int] = set()
         for path, m in modules.items():
             if self._is_local(path):
@@ -302,6 +304,10 @@ class DistributedModel(nn.Module):
             m.forward = forward  # type: ignore[method-assign]
 
     def _sequence_groups(self, path: str, seq: nn.Module) -> list[tuple[int, int, int]]:
+        """(owner, start, stop) runs of an nn.Sequential's children; fixed after partitioning, so cached."""
+        cached = self._groups_cache.get(path)
+        if cached is not None:
+            return cached
         owners = [self._owner[f"{path}.{name}" if path else name] for name in seq._modules]
         groups: list[tuple[int, int, int]] = []
         for i, o in enumerate(owners):
@@ -309,6 +315,7 @@ class DistributedModel(nn.Module):
                 groups[-1] = (o, groups[-1][1], i + 1)
             else:
                 groups.append((o, i, i + 1))
+        self._groups_cache[path] = groups
         return groups
 
     def _run_sequential(self, path: str, seq: nn.Module, x: Any) -> Any:
@@ -325,7 +332,7 @@ class DistributedModel(nn.Module):
 
     def _run_local(self, path: str, span: tuple[int, int] | None, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-        module = dict(self.module.named_modules())[path] if path else self.module
+        module = self._modules_by_path[path]
         if span is not None:
             x = args[0]
             for child in list(module._modules.values())[span[0]:span[1]]:

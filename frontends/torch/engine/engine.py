@@ -151,7 +151,6 @@ class Engine:
         self.baton: Baton | None = None
         self.events: list[Event] = []
         self._open: dict[int, Event] = {}
-        self._lock = threading.Lock()
         self._workers: dict[int, _Worker] = {}
         # (kind, ordinal) of this rank's actions that are short relative to its others: they run
         # without the baton, next to the holder (see `mark_light`).
@@ -388,15 +387,14 @@ class Engine:
             assert bodies is not None
             for mb, body in enumerate(bodies):
                 spawn(mb, body)
-        finished_followers = not leader and False
-        deadline_extra = self.timeout_s
+        finished_followers = False
         while True:
             if leader and running == 0:
                 break
             if finished_followers and running == 0:
                 break
             try:
-                msg = self.transport.inbox.get(timeout=deadline_extra)
+                msg = self.transport.inbox.get(timeout=self.timeout_s)
             except queue.Empty:
                 error = TimeoutError(f"pp_rank {self.pp_rank}: no pipeline message for {self.timeout_s:g} s")
                 break

@@ -194,12 +194,6 @@ class Baton:
                 self.finished.add(finished_mb)
             self._cv.notify_all()
 
-    def finish(self, mb: int) -> None:
-        """Mark ``mb`` done without holding the baton (its last action ran light)."""
-        with self._cv:
-            self.finished.add(mb)
-            self._cv.notify_all()
-
     def release(self, *, finished: bool = False) -> None:
         """Give the baton back; ``finished`` marks the holder's microbatch as done (leader)."""
         with self._cv:

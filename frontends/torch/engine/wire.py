@@ -101,7 +101,6 @@ class Transport:
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
-        self.bytes_sent = 0
 
     def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Post a message to ``dst`` without waiting for it to leave, so compute goes on meanwhile.
@@ -119,7 +118,6 @@ class Transport:
             for t in parts:
                 if t.numel():
                     self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
-                self.bytes_sent += t.numel() * t.element_size()
 
     def flush(self, timeout: float) -> None:
         """Wait until every posted message left."""
