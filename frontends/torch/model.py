@@ -81,11 +81,6 @@ class DistributedModel(nn.Module):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
         if not isinstance(module, nn.Module):
             raise TypeError(f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}")
-        if st.cfg.tensor_parallel_degree > 1 and not st.cfg.prescaled_batch:
-            raise SMPError(
-                "tensor_parallel_degree > 1 needs prescaled_batch: True in smp for now: every rank of a TP group "
-                "must receive the same batch (shard your data by smp.rdp_rank() / smp.rdp_size()); SMP v1's "
-                "batch scaling over the TP group for per-rank batches is not implemented yet")
         if st.cfg.tensor_parallel_degree > 1:
             # Modules marked with smp.tensor_parallelism() / set_tensor_parallelism() become their
             # distributed counterparts here, before partitioning (SMP v1 order).
@@ -200,6 +195,14 @@ class DistributedModel(nn.Module):
             raise FwdExecutionNotInStepFnError(
                 "with pipeline_parallel_degree > 1 the model runs only inside an @smp.step function: move "
                 "model(...) into the step (evaluation too: a second @smp.step without model.backward)")
+        if self._cfg.tensor_parallel_degree > 1 and not self._cfg.prescaled_batch:
+            # Each TP rank brought its own batch: the model runs on the TP group's combined batch
+            # and every rank gets its own samples' outputs back (reference 2.5; smp.torch.nn.batch).
+            from .nn.batch import scale_arguments, unscale_outputs
+
+            args, kwargs, batch = scale_arguments(args, kwargs)
+            return unscale_outputs(self.module(*args, **kwargs), batch,
+                                   vocab_sharded=getattr(self.module, "_smp_vocab_sharded_outputs", ()))
         return self.module(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
@@ -479,6 +482,17 @@ class DistributedModel(nn.Module):
         records = [(r, k, mb, seg, (s - origin) * 1e3, (t - origin) * 1e3) for r, k, mb, seg, s, t in events]
         return Timeline.from_records(records, num_ranks=self._cfg.pipeline_parallel_degree, unit="ms",
                                      title=title)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Write the wrapped Hugging Face model to ``path`` in Hugging Face format (a collective: every rank).
+
+        Pipeline stages and TP shards of the first replica are gathered; global rank 0 writes
+        ``config.json`` and safetensors that ``transformers`` loads without smp (see
+        `smp.torch.tp.save_distributed`).
+        """
+        from .tp.hf_checkpoint import save_distributed
+
+        save_distributed(self, path, **kwargs)
 
     def cpu(self) -> DistributedModel:  # type: ignore[override]
         """Gather every rank's parameters into this process's module, on the CPU."""

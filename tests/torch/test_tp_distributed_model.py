@@ -1,5 +1,11 @@
-"""Tensor parallelism inside smp.DistributedModel: TP-sharded gradients average over RDP, the rest
-over DP; tp=2 alone, tp=2 x rdp=2, and tp=2 x pp=2 train like one process."""
+"""Tensor parallelism inside smp.DistributedModel trains like one process on the global batch.
+
+TP-sharded gradients average over RDP, the rest over DP. With ``prescaled_batch: True`` every TP
+rank gets the same batch (shard by rdp_rank); with the SMP v1 default ``False`` each rank gets its
+own (shard by dp_rank) and the model runs on the TP group's combined batch (reference 2.5). Covered:
+tp=2 alone, tp=2 x pp=2 (manual and automatic partition), tp=2 x rdp=2, every placement strategy,
+a loss computed in the step from the model's logits, and (slow) tp=2 x pp=2 x rdp=2 on 8 ranks.
+"""
 
 from __future__ import annotations
 
@@ -7,79 +13,129 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.helpers.spawn import run_ranks
-from tests.torch.test_tp_hf import _batch, _model
+from tests.torch.test_tp_hf import _model
 
 STEPS = 3
+SEQS = 8
+PLACEMENTS = ["cluster", "spread", "DTP", "PDT", "PTD", "TDP"]  # cluster = DPT, spread = TPD
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, 64, (SEQS, 10), generator=torch.Generator().manual_seed(7))
 
 
 def _reference() -> list[float]:
+    """One process, the global batch of SEQS sequences in one piece."""
     ref = _model("llama")
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    ids, labels = _batch()
+    ids = _data()
     out = []
     for _ in range(STEPS):
         opt.zero_grad()
-        losses = []
-        for i in range(3):  # three microbatches of one sequence
-            loss = ref(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
-            (loss / 3).backward()
-            losses.append(loss.item())
-        out.append(sum(losses) / 3)
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append(loss.item())
         opt.step()
     return out
 
 
-def _train(pp: int, rdp: int) -> list[float]:
+def _train(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", auto: bool = False,
+           loss_outside: bool = False, microbatches: int = 2) -> list[float]:
     import smp.torch as smp
 
-    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": pp, "ddp": True, "prescaled_batch": True,
-              "microbatches": 3 if rdp == 1 else 1, "auto_partition": False, "default_partition": 0,
-              "comm_timeout": 60.0})
+    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": pp, "ddp": True,
+              "prescaled_batch": prescaled, "microbatches": microbatches, "placement_strategy": placement,
+              "auto_partition": auto, "default_partition": 0, "comm_timeout": 60.0})
     hf = smp.transform(_model("llama"))
     model = smp.DistributedModel(hf)
-    if pp > 1:
+    if pp > 1 and not auto:
         for layer in hf.model.layers[len(hf.model.layers) // 2:]:
             smp.set_partition(layer, 1)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
     @smp.step
-    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=labels).loss
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        if loss_outside:  # the step computes the loss from the rank's own samples' logits
+            logits = model(input_ids=ids).logits
+            assert logits.shape[:2] == ids.shape and logits.shape[-1] == 64
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         model.backward(loss)
         return loss
 
-    ids, labels = _batch()
-    if rdp > 1:  # prescaled batch: shard by rdp_rank; here each replica takes whole sequences
-        ids, labels = ids[: 3 * rdp], labels[: 3 * rdp]
+    # The SMP v1 sharding rule: per-rank batches by dp_rank, prescaled ones by rdp_rank.
+    rank, size = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+    ids = _data().chunk(size)[rank]
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = train_step(model, ids, labels).reduce_mean()
-        losses.append(loss.item())
+        losses.append(train_step(model, ids).reduce_mean().item())
         opt.step()
     return losses
 
 
-@pytest.mark.parametrize("pp,rdp", [(1, 1), (2, 1)], ids=["tp2", "tp2-pp2"])
-def test_tp_in_distributed_model_matches_one_process(pp: int, rdp: int) -> None:
-    ref = _reference()
-    results = run_ranks(_train, 2 * pp * rdp, args=(pp, rdp), timeout=300)
-    for losses in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+def _check(results: list[list[float]], ref: list[float]) -> None:
+    # Every rank's loss covers an equal share of the global batch: their mean is the global loss.
+    mean = torch.tensor(results).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref), rtol=1e-4, atol=1e-5)
 
 
-def _unscaled() -> str:
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return _reference()
+
+
+@pytest.mark.parametrize("prescaled", [True, False], ids=["prescaled", "per-rank-batches"])
+@pytest.mark.parametrize("pp,rdp", [(1, 1), (2, 1), (1, 2)], ids=["tp2", "tp2-pp2", "tp2-rdp2"])
+def test_tp_in_distributed_model_matches_one_process(reference: list[float], pp: int, rdp: int,
+                                                     prescaled: bool) -> None:
+    _check(run_ranks(_train, 2 * pp * rdp, args=(pp, rdp, prescaled), timeout=300), reference)
+
+
+def test_per_rank_batches_with_loss_from_logits_in_the_step(reference: list[float]) -> None:
+    """Each TP rank gets its own samples' full-vocabulary logits back (they are vocabulary-sharded
+    inside the model) and computes its loss in the step, as an SMP v1 script does."""
+    results = run_ranks(_train, 2, args=(1, 1, False, "cluster", False, True), timeout=300)
+    _check(results, reference)
+    assert results[0] != results[1], "each rank's loss is over its own samples"
+
+
+def test_automatic_partition_under_tp(reference: list[float]) -> None:
+    _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", True), timeout=300), reference)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_strategy_tp_pp(reference: list[float], placement: str) -> None:
+    _check(run_ranks(_train, 4, args=(2, 1, False, placement), timeout=300), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: list[float], placement: str) -> None:
+    _check(run_ranks(_train, 8, args=(2, 2, False, placement, False, False, 1), timeout=600), reference)
+
+
+def _unequal() -> str:
     import smp.torch as smp
 
-    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
+    model = smp.DistributedModel(smp.transform(_model("llama")))
+
+    @smp.step
+    def fwd(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
     try:
-        smp.DistributedModel(torch.nn.Linear(4, 4))
+        fwd(model, _data()[: 2 + 2 * smp.tp_rank()])
     except Exception as e:  # noqa: BLE001
         return str(e)
     return "no error"
 
 
-def test_tp_without_prescaled_batch_is_refused_clearly() -> None:
-    assert all("prescaled_batch: True" in r for r in run_ranks(_unscaled, 2, timeout=60))
+def test_per_rank_batches_of_different_sizes_are_refused_clearly() -> None:
+    for msg in run_ranks(_unequal, 2, timeout=120):
+        assert "different batches" in msg and "tp_rank 0: batch 2" in msg and "tp_rank 1: batch 4" in msg

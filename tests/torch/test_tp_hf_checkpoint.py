@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -54,3 +56,125 @@ def test_save_pretrained_round_trip(kind: str, tmp_path: object) -> None:
     assert not torch.allclose(untrained, logits, atol=1e-3), "the checkpoint holds the trained weights"
     loaded = run_ranks(_load_shards, 2, args=(kind, path), timeout=180)
     torch.testing.assert_close(loaded[0], logits, rtol=1e-5, atol=1e-5)
+
+
+# --- smp.DistributedModel.save_pretrained: any TP x PP layout -> one plain Hugging Face checkpoint ---
+
+def _distributed_train_and_save(path: str, tp: int, pp: int, how: str, over: dict[str, Any]) -> torch.Tensor:
+    """Train 2 steps at tp x pp, save_pretrained, return the full logits of the trained model (forward-only step)."""
+    import smp.torch as smp
+    from smp.torch.nn import gather_from_tp
+
+    smp.init({"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "ddp": True, "prescaled_batch": True,
+              "microbatches": 3, "auto_partition": False, "default_partition": 0, "comm_timeout": 60.0})
+    hf = _model("llama", **over)
+    if how == "transform":
+        smp.transform(hf)
+    elif how == "marked":
+        smp.set_tensor_parallelism(hf)  # converted when DistributedModel wraps it
+    model = smp.DistributedModel(hf)
+    if tp > 1:
+        from smp.torch.nn import is_tp_sharded
+
+        assert is_tp_sharded(model.get_module().get_input_embeddings().weight), "the model is tensor-parallel"
+    if pp > 1:  # the second half of the layers on stage 1; embeddings, final norm and lm_head on stage 0
+        for layer in hf.model.layers[len(hf.model.layers) // 2:]:
+            smp.set_partition(layer, 1)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def logits_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    ids, labels = _batch()
+    for _ in range(2):
+        opt.zero_grad()
+        train_step(model, ids, labels)
+        opt.step()
+    model.save_pretrained(path)
+    with torch.no_grad():
+        logits = logits_step(model, ids).concat()
+    return gather_from_tp(logits, smp.get_tp_process_group()) if tp > 1 else logits
+
+
+def _plain_logits(path: str) -> torch.Tensor:
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        return plain(input_ids=_batch()[0]).logits
+
+
+@pytest.mark.parametrize("tp,pp,rdp,how,tied", [(2, 2, 1, "transform", False), (2, 2, 1, "marked", True),
+                                                (1, 2, 1, "plain", False), (2, 1, 2, "transform", False)],
+                         ids=["tp2-pp2", "tp2-pp2-marked-tied", "pp2-plain-hf", "tp2-rdp2"])
+def test_distributed_model_save_pretrained_loads_in_plain_transformers(tp: int, pp: int, rdp: int, how: str,
+                                                                       tied: bool, tmp_path: Any) -> None:
+    path = str(tmp_path)
+    over = {"tie_word_embeddings": True} if tied else {}
+    trained = run_ranks(_distributed_train_and_save, tp * pp * rdp, args=(path, tp, pp, how, over), timeout=120)
+    for other in trained[1:]:
+        torch.testing.assert_close(other, trained[0])
+    assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+    logits = _plain_logits(path)
+    torch.testing.assert_close(logits, trained[0], rtol=1e-5, atol=1e-5)
+    untrained = _model("llama", **over)(input_ids=_batch()[0]).logits.detach()
+    assert not torch.allclose(untrained, logits, atol=1e-3), "the checkpoint holds the trained weights"
+    if tied:
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+            assert f.get_tensor("model.embed_tokens.weight").shape == (64, 32)
+
+
+# Four key/value heads so that the checkpoint also splits over tp=4.
+KV4 = {"num_key_value_heads": 4}
+
+
+def _load_at(path: str) -> torch.Tensor:
+    import smp.torch as smp
+    from smp.torch.nn import gather_from_tp
+    from smp.torch.tp import load_hf_checkpoint
+
+    smp.init({"tensor_parallel_degree": smp_size(), "ddp": True, "comm_timeout": 60.0})
+    model = smp.transform(_model("llama", seed=100 + smp.rank(), **KV4))  # different weights until loaded
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in _model("llama", **KV4).parameters())
+    assert load_hf_checkpoint(model, path) == []
+    with torch.no_grad():
+        return gather_from_tp(model(input_ids=_batch()[0]).logits, smp.get_tp_process_group())
+
+
+def smp_size() -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
+
+
+def test_resharding_save_at_tp2_load_at_tp1_and_tp4(tmp_path: Any) -> None:
+    path = str(tmp_path)
+    trained = run_ranks(_distributed_train_and_save, 2, args=(path, 2, 1, "transform", KV4), timeout=120)
+    torch.testing.assert_close(_plain_logits(path), trained[0], rtol=1e-5, atol=1e-5)  # tp=1, without smp
+    loaded = run_ranks(_load_at, 4, args=(path,), timeout=120)  # tp=4, each rank reads its quarter
+    for logits in loaded:
+        torch.testing.assert_close(logits, trained[0], rtol=1e-5, atol=1e-5)
+
+
+def _save_non_hf(path: str) -> str:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True})
+    model = smp.DistributedModel(torch.nn.Linear(4, 4))
+    try:
+        model.save_pretrained(path)
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_save_pretrained_of_a_non_hf_model_is_refused_clearly(tmp_path: Any) -> None:
+    message = run_ranks(_save_non_hf, 1, args=(str(tmp_path),), timeout=60)[0]
+    assert "not a Hugging Face PreTrainedModel" in message and "Linear" in message

@@ -178,10 +178,11 @@ def _scaled_batch() -> str:
     y = layer(x)
     _close(y, dense(xs[r]))
     (y * ws[r]).sum().backward()
-    # The region's parameters see both ranks' samples: the gradient of the sum of both losses.
+    # The region's parameters see both ranks' samples: the gradient of the mean of both losses;
+    # the input gradient is that of the rank's own loss.
     dense_inputs = [xi.clone().requires_grad_() for xi in xs]
-    sum((dense(xi) * wi).sum() for xi, wi in zip(dense_inputs, ws)).backward()
-    _close(x.grad, dense_inputs[r].grad)
+    (sum((dense(xi) * wi).sum() for xi, wi in zip(dense_inputs, ws)) / 2).backward()
+    _close(x.grad, 2 * dense_inputs[r].grad)
     grads = full_state_dict(layer.module, smp.get_tp_process_group(), grads=True)
     for name, p in dense.named_parameters():
         _close(grads[name], p.grad)

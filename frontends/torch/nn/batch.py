@@ -9,11 +9,16 @@ batch of B samples, and a TP region *scales* it: every rank works on all t ranks
                   allgather [x0; x1] -> TP module -> [y0; y1] -> own slice
     rank 1: x1 --/                       \\--> y1
 
-Backward is the adjoint: the output gradients are gathered ([g0; g1] on every rank, what the TP
-module expects: the same gradient everywhere), and each rank keeps its own slice of the input
-gradient. A parameter inside the region then receives the gradient of the *sum* of the t ranks'
-losses, so data parallelism must average it over RDP (not DP) and divide by t to match the
-gradient averaged over all DP ranks (``is_scaled_batch_parameter`` in SMP v1).
+Gradients. Each rank's loss is a function of its own outputs. Inside the region every rank must
+see the same output gradient, so backward gathers the t ranks' output gradients and divides them by
+t: the region's parameters receive the gradient of the *mean* of the t ranks' losses, which is the
+gradient of the combined batch's mean loss, identical on every TP rank. Data parallelism then
+averages over DP as for any replicated parameter, and the result equals one process training on
+all ranks' samples (SMP v1 instead sums and divides by t in its RDP allreduce,
+``is_scaled_batch_parameter``; the numbers are the same). The input gradient is this rank's slice
+times t, i.e. the gradient of this rank's own loss, as if the region had run on the rank's batch.
+A loss computed *inside* the region over the combined batch (a Hugging Face model given labels) is
+the combined mean on every rank and its gradients follow the same rule.
 """
 
 from __future__ import annotations
@@ -23,20 +28,44 @@ from typing import Any
 import torch
 from torch import nn
 
-from .group import resolve_group
-from .mappings import gather_from_tp, scatter_to_tp
+from .group import TPShardingError, communicates, group_size, resolve_group
+from .mappings import _allgather, split_along_dim
 
-__all__ = ["scale_batch", "unscale_batch", "BatchScaled"]
+__all__ = ["scale_batch", "unscale_batch", "BatchScaled", "scale_arguments", "unscale_outputs"]
+
+
+class _ScaleIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _allgather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return split_along_dim(grad, ctx.dim, ctx.group) * group_size(ctx.group), None, None
+
+
+class _ScaleOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return split_along_dim(y, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _allgather(grad, ctx.dim, ctx.group) / group_size(ctx.group), None, None
 
 
 def scale_batch(x: torch.Tensor, process_group: Any = None, dim: int = 0) -> torch.Tensor:
-    """Every TP rank's batch concatenated along ``dim`` (backward: this rank's gradient slice)."""
-    return gather_from_tp(x, resolve_group(process_group), dim=dim)
+    """Every TP rank's batch concatenated along ``dim`` (see the module docstring for gradients)."""
+    group = resolve_group(process_group)
+    return x if group_size(group) == 1 else _ScaleIn.apply(x, dim, group)  # type: ignore[no-any-return]
 
 
 def unscale_batch(y: torch.Tensor, process_group: Any = None, dim: int = 0) -> torch.Tensor:
-    """This rank's part of a scaled batch (backward: the gradients of all parts, gathered)."""
-    return scatter_to_tp(y, resolve_group(process_group), dim=dim)
+    """This rank's part of a scaled batch (see the module docstring for gradients)."""
+    group = resolve_group(process_group)
+    return y if group_size(group) == 1 else _ScaleOut.apply(y, dim, group)  # type: ignore[no-any-return]
 
 
 class BatchScaled(nn.Module):
@@ -56,5 +85,83 @@ class BatchScaled(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.module(gather_from_tp(x, self.group, dim=self.dim))
-        return scatter_to_tp(y, self.group, dim=self.dim)
+        y = self.module(scale_batch(x, self.group, self.dim))
+        return unscale_batch(y, self.group, self.dim)
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    from smp.torch.engine.wire import map_structure
+
+    found: list[torch.Tensor] = []
+    map_structure(obj, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)
+    return found
+
+
+def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group: Any = None,
+                    ) -> tuple[tuple[Any, ...], dict[str, Any], int | None]:
+    """Scale a model call's batch over the TP group: every tensor argument whose first dimension is
+    the batch size (that of the first tensor argument with a dimension) is gathered along it.
+
+    Returns the new ``(args, kwargs)`` and the per-rank batch size (None when nothing was scaled,
+    for example a call without tensors). Tensors of another first size (``position_ids`` of shape
+    ``[1, S]``, masks broadcast over the batch) are passed unchanged. Every TP rank must call with
+    the same shapes; otherwise a `TPShardingError` says which sizes differ.
+    """
+    from smp.torch.engine.wire import map_structure
+
+    group = resolve_group(process_group)
+    t = group_size(group)
+    batched = [x for x in _leaves((args, kwargs)) if x.dim() >= 1]
+    if t == 1 or not batched:
+        return args, kwargs, None
+    b = batched[0].shape[0]
+    chosen = [x for x in batched if x.shape[0] == b]
+    if communicates(group):
+        import torch.distributed as dist
+
+        mine = torch.tensor([b, len(chosen), sum(x.numel() for x in chosen)], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(t)]
+        dist.all_gather(every, mine, group=group)
+        if any(not torch.equal(e, mine) for e in every):
+            rows = ", ".join(f"tp_rank {i}: batch {int(e[0])}, {int(e[1])} tensor(s), {int(e[2])} elements"
+                             for i, e in enumerate(every))
+            raise TPShardingError(
+                f"the TP ranks called the model with different batches ({rows}). With prescaled_batch: False "
+                f"each TP rank passes its own batch and they are concatenated, so every rank of a TP group "
+                f"needs the same batch size and tensor shapes. Fix: give every rank equal batches (a "
+                f"DataLoader with drop_last=True), or use prescaled_batch: True with the same batch on every "
+                f"TP rank.")
+    ids = {id(x) for x in chosen}
+    out = map_structure((args, kwargs), lambda x: scale_batch(x, group) if id(x) in ids else x)
+    return out[0], out[1], b
+
+
+def unscale_outputs(out: Any, batch: int | None, process_group: Any = None,
+                    vocab_sharded: tuple[str, ...] = ()) -> Any:
+    """This rank's part of every output tensor whose first dimension is the scaled batch
+    (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole.
+
+    Entries of a dict-like output (a Hugging Face ``ModelOutput``) named in ``vocab_sharded`` hold
+    this rank's slice of the last dimension (vocabulary-parallel logits): they are gathered first, so
+    the caller gets its own samples' full logits.
+    """
+    from smp.torch.engine.wire import map_structure
+
+    group = resolve_group(process_group)
+    t = group_size(group)
+    if batch is None or t == 1:
+        return out
+
+    def own(y: Any) -> Any:
+        if isinstance(y, torch.Tensor) and y.dim() >= 1 and y.shape[0] == t * batch:
+            return unscale_batch(y, group)
+        return y
+
+    if vocab_sharded and isinstance(out, dict):
+        from .mappings import gather_from_tp
+
+        for key in vocab_sharded:
+            value = out.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == t * batch:
+                out[key] = gather_from_tp(value, group, dim=-1)
+    return map_structure(out, own)

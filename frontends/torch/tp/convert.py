@@ -28,6 +28,7 @@ from smp.torch.nn.embedding import VocabParallelEmbedding
 from smp.torch.nn.group import TPShardingError, group_size, resolve_group
 from smp.torch.nn.linear import ColumnParallelLinear
 from smp.torch.nn.rng import tp_rng
+from smp.torch.nn.te_backend import swap_to_te
 from torch import nn
 
 from .loss import causal_lm_loss
@@ -75,7 +76,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
     Args:
         model: a ``*ForCausalLM`` from transformers 5.x, identical on every TP rank (or on rank 0
             only, with ``load_state_dict_from_rank0``).
-        device: move the converted model there.
+        device: move the converted model there. On a CUDA device with Transformer Engine
+            importable, the column/row-parallel linears then become ``te.Linear`` modules holding
+            the same shards (`smp.torch.nn.te_backend`; ``SMP_DISABLE_TE=1`` keeps the fallback).
         dtype: cast the model to this dtype before converting.
         config: SMP v2's extra config (e.g. ``MoEConfig``); only None is supported.
         load_state_dict_from_rank0: broadcast rank 0's weights first; other ranks may hold
@@ -139,6 +142,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
         model.set_output_embeddings(new_head)  # type: ignore[operator]
         if parallel_loss:
             model.loss_function = causal_lm_loss(group)
+            # With per-rank batches (prescaled_batch: False) DistributedModel gathers these before
+            # handing each rank its own samples' outputs.
+            model._smp_vocab_sharded_outputs = ("logits",)
     for owner, attr in _targets(base, family.attention):
         # Attention-probability dropout acts on this rank's heads: draw it from the TP-region
         # generator (always_call restores the default generator even when forward raises).
@@ -148,4 +154,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
     model._smp_tp_transformed = True
     if device is not None:
         model.to(device)
+        # On CUDA with Transformer Engine importable, the TP linears run as te.Linear (same numbers;
+        # see smp.torch.nn.te_backend). Elsewhere, or with SMP_DISABLE_TE=1, nothing changes.
+        swap_to_te(model)
     return model

@@ -3,7 +3,9 @@
 `save_pretrained` gathers every TP shard (a collective over the TP group) and has global rank 0
 write ``config.json`` and safetensors with the original Hugging Face names, so
 ``AutoModelForCausalLM.from_pretrained(path)`` loads it without smp, at any TP degree (resharding
-is slicing again). `load_hf_checkpoint` reads a Hugging Face checkpoint into a converted model,
+is slicing again). ``smp.DistributedModel.save_pretrained`` (`save_distributed`) does the same from
+any TP x PP x DP layout: the first replica's pipeline stages gather their TP shards and send them
+to global rank 0. `load_hf_checkpoint` reads a Hugging Face checkpoint into a converted model,
 each rank reading only its slice of each sharded tensor (safetensors ``get_slice``).
 """
 
@@ -17,24 +19,49 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from smp.torch.nn.group import group_rank, group_size, resolve_group
-from smp.torch.nn.params import full_state_dict, tp_split_dim
+from smp.torch.nn.params import gather_full, tp_split_dim
 from torch import nn
 
-__all__ = ["full_hf_state_dict", "save_pretrained", "load_hf_checkpoint"]
+__all__ = ["full_hf_state_dict", "save_pretrained", "save_distributed", "load_hf_checkpoint"]
 
 
-def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str, torch.Tensor]:
-    """The converted model's full state dict under Hugging Face names (a collective over the TP group)."""
-    group = resolve_group(process_group)
-    out = full_state_dict(model, group)
-    for name, value in model.state_dict().items():
-        if name not in out:  # persistent buffers and tied duplicates: replicated, taken as they are
-            out[name] = value.detach().clone()
+def _gather_named(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered, detached, CPU) copies of ``tensors`` by name; aliases share one gather.
+
+    A collective over ``group``: every TP rank passes the same names in the same order.
+    """
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if id(t) not in done:
+            done[id(t)] = gather_full(t, group).cpu()
+        out[name] = done[id(t)]
     return out
 
 
-def save_pretrained(model: nn.Module, path: str, process_group: Any = None) -> None:
-    """Write ``model`` (converted by `transform`) as a plain Hugging Face checkpoint; call on every rank.
+def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str, torch.Tensor]:
+    """The converted model's full state dict under Hugging Face names (a collective over the TP group).
+
+    Tied weights (``lm_head.weight`` is ``embed_tokens.weight``) appear under both names, both full.
+    """
+    return _gather_named(model.state_dict(keep_vars=True), resolve_group(process_group))
+
+
+def _require_hf(module: nn.Module) -> None:
+    if not callable(getattr(module, "save_pretrained", None)) or getattr(module, "config", None) is None:
+        raise TypeError(f"save_pretrained: the model is a {type(module).__name__}, not a Hugging Face "
+                        "PreTrainedModel (it has no save_pretrained method and config). Fix: wrap a transformers "
+                        "model, or save this one with smp.save / model.state_dict()")
+
+
+def save_pretrained(model: nn.Module, path: str, process_group: Any = None, **kwargs: Any) -> None:
+    """Write ``model`` as a plain Hugging Face checkpoint; a collective, call it on every rank.
+
+    ``model`` is a Hugging Face model converted by `transform` (the TP group is ``process_group``),
+    or an ``smp.DistributedModel`` wrapping one (any TP x PP x DP layout; see `save_distributed`).
+    Global rank 0 writes ``config.json`` and safetensors under the original names, which
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads without smp. ``kwargs`` go to
+    Hugging Face's ``save_pretrained`` (e.g. ``max_shard_size``).
 
     Example:
         >>> import tempfile, transformers
@@ -46,11 +73,52 @@ def save_pretrained(model: nn.Module, path: str, process_group: Any = None) -> N
         ...     sorted(f for f in os.listdir(d) if f.endswith((".json", ".safetensors")))[:2]
         ['config.json', 'generation_config.json']
     """
+    if hasattr(model, "_local_state_tensors"):  # an smp.DistributedModel
+        save_distributed(model, path, **kwargs)
+        return
+    _require_hf(model)
     state = full_hf_state_dict(model, process_group)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        model.save_pretrained(path, state_dict=state)  # type: ignore[operator]
+        model.save_pretrained(path, state_dict=state, **kwargs)  # type: ignore[operator]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def save_distributed(model: Any, path: str, **kwargs: Any) -> None:
+    """`save_pretrained` for an ``smp.DistributedModel``; a collective over the world.
+
+    Only the first replica (``rdp_rank() == 0``) contributes: in each pipeline stage its TP ranks
+    gather their stage's sharded parameters, the stage's TP rank 0 sends the stage's full tensors
+    to global rank 0, which merges the stages and writes. Before the first step partitions the
+    model every rank still holds every parameter, so pipeline stage 0 alone contributes.
+    """
+    import smp.torch as smp
+    from smp.torch.comm import RankType, barrier, recv_from, send
+
+    module = model.module
+    _require_hf(module)
+    first_replica = smp.rdp_rank() == 0
+    stage: dict[str, torch.Tensor] = {}
+    if first_replica:
+        if model.partitioned:
+            local = model._local_state_tensors()
+        else:
+            local = module.state_dict(keep_vars=True) if smp.pp_rank() == 0 else {}
+        stage = _gather_named(local, resolve_group(None))
+    if first_replica and smp.tp_rank() == 0:
+        if smp.rank() == 0:
+            full = dict(stage)
+            for peer in range(1, smp.pp_size()):  # pp_rank order; a weight on two stages (tied) is taken once
+                for name, t in recv_from(peer, RankType.PP_RANK).items():
+                    full.setdefault(name, t)
+            order = list(module.state_dict(keep_vars=True))
+            lost = [n for n in order if n not in full]
+            if lost:
+                raise RuntimeError(f"save_pretrained: no pipeline stage holds {lost[:5]}")
+            module.save_pretrained(path, state_dict={n: full[n] for n in order}, **kwargs)
+        else:
+            send(stage, 0, RankType.PP_RANK)
+    barrier()
 
 
 def _files(path: str) -> dict[str, str]:
