@@ -50,6 +50,7 @@ from .comm import (
     tp_rank,
     tp_size,
 )
+from .delayed import delay_param_initialization, model_creation
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .patches.checkpoint import checkpoint
@@ -78,11 +79,13 @@ state = _state_mod.current()
 __all__ = [
     "amp",
     "checkpoint",
+    "delay_param_initialization",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",
     "is_tracing",
     "load",
+    "model_creation",
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",

@@ -224,8 +224,14 @@ class DistributedModel(nn.Module):
             st = smp_state.current()
             decision = None
             if st.rank == 0:
+                from .delayed import has_delayed_params
+
                 tr = None
-                if not cfg.skip_tracing:
+                delayed = has_delayed_params(self.module)
+                if delayed:
+                    logger.info("automatic partition: parameters are delayed (meta), so the model is not "
+                                "traced; the partition follows parameter sizes and module counts")
+                if not cfg.skip_tracing and not delayed:
                     self._tracing = True
                     try:
                         tr = partition_mod.trace(self.module, first_microbatch)
@@ -260,6 +266,9 @@ class DistributedModel(nn.Module):
             if self._is_local(path):
                 local_ids.update(id(p) for p in m.parameters(recurse=False))
         self._local_param_ids = local_ids
+        from .delayed import pending_materialization
+
+        delayed = pending_materialization(self.module)  # before other ranks' storage is freed
         if self._cfg.pipeline_parallel_degree > 1:
             for m in modules.values():
                 for p in m.parameters(recurse=False):
@@ -275,6 +284,8 @@ class DistributedModel(nn.Module):
             self._engine = Engine(Transport(rt.engine_group, pp_ranks, st.rank), pp_ranks, self._pp_rank,
                                   self._run_local, float(cfg.comm_timeout))
             self._engine.strict_order = cfg.tensor_parallel_degree > 1
+        if delayed is not None:  # allocate and initialise this rank's delayed parameters only
+            delayed.materialize(self._param_is_local, self._cfg)
         self._partitioned = True
         self._broadcast_from_dp0(params=True)
         for model_sd, strict in self._pending_loads:

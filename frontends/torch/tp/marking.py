@@ -207,8 +207,14 @@ def apply_tensor_parallelism(root: nn.Module) -> nn.Module:
             else:
                 setattr(parent, name, new)
 
+    from smp.torch.delayed import attach_plan, plan_if_delayed
+
+    # Delayed (meta) parameters: remember where their full values come from before conversion
+    # turns them into meta shards (smp.torch.delayed).
+    plan = plan_if_delayed(root)
     new_root = convert(root)
-    if new_root is not None:
-        return new_root
-    visit(root)
-    return root
+    if new_root is None:
+        visit(root)
+        new_root = root
+    attach_plan(new_root, plan)
+    return new_root
