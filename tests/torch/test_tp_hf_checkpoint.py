@@ -103,10 +103,28 @@ def _distributed_train_and_save(path: str, tp: int, pp: int, how: str, over: dic
     return gather_from_tp(logits, smp.get_tp_process_group()) if tp > 1 else logits
 
 
+_PLAIN = """
+import sys, torch, transformers
+ids = torch.load(sys.argv[2])
+plain = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="eager")
+with torch.no_grad():
+    torch.save(plain(input_ids=ids).logits, sys.argv[3])
+assert not any(m == "smp" or m.startswith("smp.") for m in sys.modules), "smp was imported"
+"""
+
+
 def _plain_logits(path: str) -> torch.Tensor:
-    plain = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    with torch.no_grad():
-        return plain(input_ids=_batch()[0]).logits
+    """The checkpoint's logits from plain transformers in a fresh process that never imports smp."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ids, out = os.path.join(d, "ids.pt"), os.path.join(d, "logits.pt")
+        torch.save(_batch()[0], ids)
+        subprocess.run([sys.executable, "-c", _PLAIN, path, ids, out], check=True, timeout=120, cwd=d)
+        return torch.load(out)
 
 
 @pytest.mark.parametrize("tp,pp,rdp,how,tied", [(2, 2, 1, "transform", False), (2, 2, 1, "marked", True),
