@@ -35,6 +35,27 @@ def test_pt_mnist_shape_trains_on_four_ranks(tmp_path: Any) -> None:
     assert saved["model_state_dict"]["_smp_is_partial"] is True
 
 
+def test_tensor_parallel_hf_script_trains_checkpoints_and_exports(tmp_path: Any) -> None:
+    """examples/tp_hf_smp_v1.py: an HF Llama marked with smp.tensor_parallelism(), tp=2 x pp=2, SMP v1's
+    default per-rank batches, automatic partition; the Hugging Face export loads in plain transformers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4",
+           "examples/tp_hf_smp_v1.py", "--steps", "12", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", proc.stdout)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, proc.stdout
+    assert os.path.isdir(tmp_path / "checkpoint")
+    import transformers
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    ids = (torch.arange(32) + 7).remainder(256)[None]
+    with torch.no_grad():
+        loss = plain(input_ids=ids, labels=ids).loss.item()
+    assert loss < losses[0] - 0.5, "the exported model holds the trained weights"
+
+
 def _checkpoint_grads(strategy: str | None) -> dict[str, torch.Tensor]:
     import smp.torch as smp
     from smp.torch.patches.checkpoint import checkpoint_sequential
