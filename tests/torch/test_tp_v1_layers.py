@@ -242,3 +242,40 @@ def test_dropout_in_tp_regions_keeps_replicas_identical_and_is_reproducible() ->
     (out0, plain0), (out1, plain1) = run_ranks(_dropout, 2)
     assert out0 == out1, "after the row-parallel allreduce and replicated dropout both ranks agree"
     assert plain0 == plain1
+
+
+def _lm_per_rank_batches() -> str:
+    """SMP v1's default prescaled_batch: False: each TP rank passes its own sample; the step computes
+    the loss from the logits the model hands back (the rank's own rows, full vocabulary)."""
+    import smp.torch as smp
+    from smp.torch.nn import full_state_dict
+
+    ids, pad, _, _, _ = _lm_inputs()
+    dense = _lm()
+    per_row = []
+    for r in range(2):
+        (logits,) = dense((ids[r:r + 1], pad[r:r + 1], None, None, None))
+        per_row.append(F.cross_entropy(logits[0, :-1], ids[r, 1:]))
+    (sum(per_row) / 2).backward()
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
+    model = smp.DistributedModel(_lm())
+    r = smp.tp_rank()
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        (logits,) = model((ids, pad, None, None, None))
+        assert logits.shape == (1, S, 12)
+        loss = F.cross_entropy(logits[0, :-1], ids[0, 1:])
+        model.backward(loss)
+        return loss
+
+    loss = train_step(model, ids[r:r + 1], pad[r:r + 1]).reduce_mean()
+    torch.testing.assert_close(loss, per_row[r].detach())
+    grads = full_state_dict(model.module, smp.get_tp_process_group(), grads=True)
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda s, n=name: f"{n}: {s}")
+    return "ok"
+
+
+def test_lm_head_with_per_rank_batches_gives_each_rank_its_full_logits() -> None:
+    assert run_ranks(_lm_per_rank_batches, 2) == ["ok", "ok"]

@@ -137,13 +137,14 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
 
 
 def unscale_outputs(out: Any, batch: int | None, process_group: Any = None,
-                    vocab_sharded: tuple[str, ...] = ()) -> Any:
+                    vocab_sharded: tuple[str | int, ...] = ()) -> Any:
     """This rank's part of every output tensor whose first dimension is the scaled batch
     (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole.
 
-    Entries of a dict-like output (a Hugging Face ``ModelOutput``) named in ``vocab_sharded`` hold
-    this rank's slice of the last dimension (vocabulary-parallel logits): they are gathered first, so
-    the caller gets its own samples' full logits.
+    Entries named in ``vocab_sharded`` (keys of a dict-like output such as a Hugging Face
+    ``ModelOutput``, or positions in a tuple output, -1 for the last) hold this rank's slice of the
+    last dimension (vocabulary-parallel logits): they are gathered first, so the caller gets its own
+    samples' full logits.
     """
     from smp.torch.engine.wire import map_structure
 
@@ -157,11 +158,22 @@ def unscale_outputs(out: Any, batch: int | None, process_group: Any = None,
             return unscale_batch(y, group)
         return y
 
-    if vocab_sharded and isinstance(out, dict):
+    if vocab_sharded and isinstance(out, (dict, tuple)):
         from .mappings import gather_from_tp
 
-        for key in vocab_sharded:
-            value = out.get(key)
+        def full(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == t * batch:
-                out[key] = gather_from_tp(value, group, dim=-1)
+                return gather_from_tp(value, group, dim=-1)
+            return value
+
+        if isinstance(out, dict):
+            for key in vocab_sharded:
+                if key in out:
+                    out[key] = full(out[key])
+        elif not hasattr(out, "_fields"):  # a plain tuple; positions count from either end
+            items = list(out)
+            for pos in vocab_sharded:
+                if isinstance(pos, int) and -len(items) <= pos < len(items):
+                    items[pos] = full(items[pos])
+            out = tuple(items)
     return map_structure(out, own)

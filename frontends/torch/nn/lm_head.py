@@ -81,6 +81,9 @@ class DistributedTransformerLMHead(DistributedModule):
             add_cross_attention=add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
             process_group=self.group)
         self.add_cross_attention, self.add_lm_head = add_cross_attention, add_lm_head
+        # The logits (last output) are vocabulary-sharded: with per-rank batches (prescaled_batch:
+        # False) smp.DistributedModel gathers them before handing each rank its own samples' rows.
+        self._smp_vocab_sharded_outputs = (-1,) if add_lm_head else ()
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         if self.add_cross_attention:
