@@ -13,6 +13,7 @@ from tests.helpers.spawn import run_ranks
 transformers = pytest.importorskip("transformers")
 
 KINDS = ["llama", "mistral", "gpt_neox", "mixtral"]
+RELATED = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig"}
 
 
 def _config(kind: str, **over: Any) -> Any:
@@ -24,6 +25,8 @@ def _config(kind: str, **over: Any) -> Any:
         return transformers.MistralConfig(**{"num_key_value_heads": 2, **common})
     if kind == "gpt_neox":
         return transformers.GPTNeoXConfig(**common)
+    if kind in RELATED:  # converted from their base_model_tp_plan, no family entry of their own
+        return getattr(transformers, RELATED[kind])(**{"num_key_value_heads": 2, "head_dim": 8, **common})
     return transformers.MixtralConfig(**{"num_key_value_heads": 2, "num_local_experts": 4,
                                          "num_experts_per_tok": 2, **common})
 
@@ -91,6 +94,11 @@ def test_transform_tp2_matches_the_unsharded_model(kind: str) -> None:
     assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("kind", sorted(RELATED))
+def test_transform_tp2_of_related_models_read_from_their_plan(kind: str) -> None:
+    assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
+
+
 def test_transform_loads_rank0_weights_and_keeps_tied_embeddings() -> None:
     assert run_ranks(_tp2, 2, args=("llama", True, True), timeout=180) == ["ok", "ok"]
 
@@ -120,7 +128,7 @@ def test_transform_rejects_an_unsupported_model_type() -> None:
     import smp.torch as smp
 
     cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32)
-    with pytest.raises(ValueError, match="model_type='gpt2'.*supported: \\['gpt_neox', 'llama', 'mistral', 'mixtral'\\]"):
+    with pytest.raises(ValueError, match="model_type='gpt2'.*no usable base_model_tp_plan.*supported: \\['gpt_neox', 'llama', 'mistral', 'mixtral'\\]"):
         smp.transform(transformers.GPT2LMHeadModel(cfg))
 
 

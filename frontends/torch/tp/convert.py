@@ -68,6 +68,22 @@ def _leave_tp_rng(module: nn.Module, args: Any, output: Any) -> None:
         stack.close()
 
 
+def _vocab_parallel(embed: nn.Embedding, group: Any) -> nn.Module:
+    """The vocabulary-parallel version of a Hugging Face input embedding, keeping a scaled
+    embedding's factor (Gemma's ``GemmaTextScaledWordEmbedding``: output * embed_scale)."""
+    new = VocabParallelEmbedding.from_embedding(embed, process_group=group)
+    if type(embed) is nn.Embedding:
+        return new
+    scale = getattr(embed, "embed_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{type(embed).__name__} (the input embedding) overrides nn.Embedding in a way smp "
+                         "cannot reproduce after splitting it by vocabulary. Fix: mark your own modules with "
+                         "smp.torch.nn layers instead of transform")
+    new.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+    new.register_forward_hook(lambda m, _args, out: out * m.embed_scale.to(out.dtype))
+    return new
+
+
 def transform(model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               config: Any = None, load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p",
               parallel_loss: bool = True, process_group: Any = None) -> nn.Module:
@@ -133,7 +149,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
         for owner, attr in _targets(base, pattern):
             apply_style(style, owner, attr, group)
     if isinstance(embed, nn.Embedding):
-        model.set_input_embeddings(VocabParallelEmbedding.from_embedding(embed, process_group=group))  # type: ignore[operator]
+        model.set_input_embeddings(_vocab_parallel(embed, group))  # type: ignore[operator]
     new_embed = model.get_input_embeddings()  # type: ignore[operator]
     if isinstance(head, nn.Linear):
         new_head = ColumnParallelLinear.from_linear(head, gather_output=not parallel_loss, process_group=group)

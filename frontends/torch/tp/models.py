@@ -63,14 +63,41 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 }
 
 
+def _from_plan(config: Any) -> ModelFamily | None:
+    """A family for a model type not listed above whose ``base_model_tp_plan`` uses only the styles
+    smp implements and names its attention projections (``<path>.q_proj`` or
+    ``<path>.query_key_value``), e.g. Qwen2, Qwen3, Gemma: the same code covers related models."""
+    from .styles import STYLES
+
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan or any(style not in STYLES for style in plan.values()):
+        return None
+    for pattern in plan:
+        head, _, leaf = pattern.rpartition(".")
+        if leaf in ("q_proj", "query_key_value") and head:
+            return ModelFamily(str(config.model_type), head)
+    return None
+
+
 def family_for(config: Any) -> ModelFamily:
-    """The family of ``config.model_type``; an unsupported type lists the supported ones."""
+    """The family of ``config.model_type`` (or one read from its ``base_model_tp_plan``); an
+    unsupported type lists the supported ones."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_FAMILIES:
-        raise ValueError(f"model_type={model_type!r} has no tensor-parallel converter; supported: "
-                         f"{sorted(MODEL_FAMILIES)}. Fix: use one of those, or mark your own modules with "
+    if model_type in MODEL_FAMILIES:
+        return MODEL_FAMILIES[model_type]
+    family = _from_plan(config)
+    if family is None:
+        from .styles import STYLES
+
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        unknown = sorted({s for s in plan.values() if s not in STYLES})
+        why = (f"its base_model_tp_plan uses styles smp does not implement: {unknown}" if unknown
+               else "its config has no usable base_model_tp_plan")
+        raise ValueError(f"model_type={model_type!r} has no tensor-parallel converter ({why}); supported: "
+                         f"{sorted(MODEL_FAMILIES)} and models whose base_model_tp_plan uses only "
+                         f"{sorted(STYLES)}. Fix: use one of those, or mark your own modules with "
                          "smp.torch.nn layers")
-    return MODEL_FAMILIES[model_type]
+    return family
 
 
 def check_config(config: Any, tp: int) -> list[str]:

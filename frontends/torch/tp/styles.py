@@ -13,6 +13,8 @@ packed_colwise      3-D (E, 2I, H) parameter (gate and up stacked): slice each h
 moe_tp_experts      experts module: enter / leave a TP region (gradient allreduce of its
                     inputs, allreduce of its partial outputs)
 embedding_rowwise   ``nn.Embedding`` -> `VocabParallelEmbedding` (vocabulary split)
+replicated_with_    a replicated module applied to this rank's heads (Qwen3's q_norm/k_norm):
+grad_allreduce      its parameters' gradients are summed over the TP group
 ==================  ==========================================================================
 """
 
@@ -94,12 +96,24 @@ def embedding_rowwise(owner: nn.Module, attr: str, group: Any) -> None:
     setattr(owner, attr, VocabParallelEmbedding.from_embedding(value, process_group=group))
 
 
+def replicated_with_grad_allreduce(owner: nn.Module, attr: str, group: Any) -> None:
+    value = _expect(owner, attr, "replicated_with_grad_allreduce", (nn.Module, nn.Parameter))
+    # A replicated module applied to this rank's heads only (Qwen3's per-head q_norm / k_norm):
+    # each rank's gradient covers its own heads, the full gradient is their sum.
+    from smp.torch.nn.mappings import _allreduce
+
+    params = [value] if isinstance(value, nn.Parameter) else list(value.parameters())
+    for p in params:
+        p.register_hook(lambda grad: _allreduce(grad, group))
+
+
 STYLES: dict[str, Style] = {
     "colwise": colwise,
     "rowwise": rowwise,
     "packed_colwise": packed_colwise,
     "moe_tp_experts": moe_tp_experts,
     "embedding_rowwise": embedding_rowwise,
+    "replicated_with_grad_allreduce": replicated_with_grad_allreduce,
 }
 
 
