@@ -193,3 +193,29 @@ def _tp4() -> str:
 
 def test_transform_tp4_on_4_ranks() -> None:
     assert run_ranks(_tp4, 4, timeout=240) == ["ok"] * 4
+
+
+def _fresh() -> str:
+    import smp.torch as smp
+    from smp.torch.nn import full_state_dict
+    from smp.torch.tp.convert import _fresh_weights
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "random_seed": 3, "comm_timeout": 60.0})
+    original = _model("llama")
+    dense = _model("llama", seed=42)
+    _fresh_weights(dense)  # the same initialisation, unsharded, in this process
+    model = _model("llama", seed=smp.rank())  # the ranks start from different weights
+    torch.manual_seed(1000 + smp.rank())
+    before = torch.get_rng_state()
+    smp.transform(model, init_weights=True)
+    assert torch.equal(torch.get_rng_state(), before), "the caller's random state is untouched"
+    weights = full_state_dict(model, smp.get_tp_process_group())
+    for name, p in dense.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0)
+    assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"],
+                           original.model.layers[0].mlp.up_proj.weight), "fresh, not the original weights"
+    return "ok"
+
+
+def test_transform_with_fresh_weights_is_the_same_model_on_every_tp_rank() -> None:
+    assert run_ranks(_fresh, 2) == ["ok", "ok"]

@@ -68,6 +68,22 @@ def _leave_tp_rng(module: nn.Module, args: Any, output: Any) -> None:
         stack.close()
 
 
+def _fresh_weights(model: nn.Module) -> None:
+    """Re-run the Hugging Face initialisation on every module with a seed every rank shares."""
+    from smp.torch.nn.rng import _config_seed
+
+    if not callable(getattr(model, "init_weights", None)):
+        raise ValueError(f"transform(init_weights=True): {type(model).__name__} has no init_weights(); pass a "
+                         "Hugging Face PreTrainedModel")
+    for module in model.modules():
+        if hasattr(module, "_is_hf_initialized"):  # transformers skips modules it already initialised
+            module._is_hf_initialized = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_config_seed())
+        with torch.no_grad():
+            model.init_weights()  # type: ignore[operator]
+
+
 def _vocab_parallel(embed: nn.Embedding, group: Any) -> nn.Module:
     """The vocabulary-parallel version of a Hugging Face input embedding, keeping a scaled
     embedding's factor (Gemma's ``GemmaTextScaledWordEmbedding``: output * embed_scale)."""
@@ -86,7 +102,7 @@ def _vocab_parallel(embed: nn.Embedding, group: Any) -> nn.Module:
 
 def transform(model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               config: Any = None, load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p",
-              parallel_loss: bool = True, process_group: Any = None) -> nn.Module:
+              parallel_loss: bool = True, process_group: Any = None, init_weights: bool = False) -> nn.Module:
     """Convert a supported Hugging Face causal LM (GPT-NeoX, Llama, Mistral, Mixtral) for TP, in place.
 
     Args:
@@ -97,6 +113,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
             the same shards (`smp.torch.nn.te_backend`; ``SMP_DISABLE_TE=1`` keeps the fallback).
         dtype: cast the model to this dtype before converting.
         config: SMP v2's extra config (e.g. ``MoEConfig``); only None is supported.
+        init_weights: re-initialise the weights (SMP v2's default) instead of keeping the
+            original ones: the model's own Hugging Face initialisation, run on the full tensors
+            with a generator seeded from ``random_seed`` (else ``tensor_parallel_seed``), so
+            every TP rank slices the same model; the caller's random state is left untouched.
         load_state_dict_from_rank0: broadcast rank 0's weights first; other ranks may hold
             different or meta-device weights.
         cp_comm_type: SMP v2 context-parallel argument; accepted, context parallelism is not
@@ -137,7 +157,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
                               + "\n".join(f"  - {p}" for p in problems)
                               + "\nFix: choose a tensor_parallel_degree that divides these sizes.")
     family = family_for(hf_config)
-    if load_state_dict_from_rank0:
+    if init_weights:
+        _fresh_weights(model)
+    elif load_state_dict_from_rank0:
         _sync_from_rank0(model)
     if dtype is not None:
         model.to(dtype)
