@@ -27,6 +27,8 @@ CONFIGS = {
                                                     num_key_value_heads=2),
     "gpt_neox": lambda v: transformers.GPTNeoXConfig(vocab_size=v, hidden_size=64, intermediate_size=128,
                                                      num_hidden_layers=4, num_attention_heads=4),
+    "gpt2": lambda v: transformers.GPT2Config(vocab_size=v, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+                                              bos_token_id=0, eos_token_id=0),
     "mixtral": lambda v: transformers.MixtralConfig(vocab_size=v, hidden_size=64, intermediate_size=64,
                                                     num_hidden_layers=2, num_attention_heads=4,
                                                     num_key_value_heads=2, num_local_experts=4),

@@ -13,7 +13,8 @@ from tests.helpers.spawn import run_ranks
 transformers = pytest.importorskip("transformers")
 
 KINDS = ["llama", "mistral", "gpt_neox", "mixtral"]
-RELATED = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig"}
+RELATED = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gptj": "GPTJConfig"}
+V1_ONLY = ["gpt2"]  # SMP v1's flagship TP model; its config has no base_model_tp_plan
 
 
 def _config(kind: str, **over: Any) -> Any:
@@ -25,6 +26,12 @@ def _config(kind: str, **over: Any) -> Any:
         return transformers.MistralConfig(**{"num_key_value_heads": 2, **common})
     if kind == "gpt_neox":
         return transformers.GPTNeoXConfig(**common)
+    if kind == "gpt2":  # Conv1D projections, fused q | k | v, tied embeddings, no tp plan in its config
+        return transformers.GPT2Config(**{"n_inner": 48, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                                          **common})
+    if kind == "gptj":
+        return transformers.GPTJConfig(**{"n_inner": 48, "rotary_dim": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                          "attn_pdrop": 0.0, **common})
     if kind in RELATED:  # converted from their base_model_tp_plan, no family entry of their own
         return getattr(transformers, RELATED[kind])(**{"num_key_value_heads": 2, "head_dim": 8, **common})
     return transformers.MixtralConfig(**{"num_key_value_heads": 2, "num_local_experts": 4,
@@ -94,7 +101,7 @@ def test_transform_tp2_matches_the_unsharded_model(kind: str) -> None:
     assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("kind", sorted(RELATED))
+@pytest.mark.parametrize("kind", sorted(RELATED) + V1_ONLY)
 def test_transform_tp2_of_related_models_read_from_their_plan(kind: str) -> None:
     assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
 
@@ -127,9 +134,16 @@ def test_transform_lists_every_size_that_does_not_split() -> None:
 def test_transform_rejects_an_unsupported_model_type() -> None:
     import smp.torch as smp
 
-    cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32)
-    with pytest.raises(ValueError, match="model_type='gpt2'.*no usable base_model_tp_plan.*supported: \\['gpt_neox', 'llama', 'mistral', 'mixtral'\\]"):
-        smp.transform(transformers.GPT2LMHeadModel(cfg))
+    cfg = transformers.GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=2, vocab_size=32,
+                                    attention_types=[[["global"], 1]])
+    with pytest.raises(ValueError, match="model_type='gpt_neo'.*no usable base_model_tp_plan.*supported: "
+                                         "\\['gpt2', 'gpt_neox', 'llama', 'mistral', 'mixtral'\\]"):
+        smp.transform(transformers.GPTNeoForCausalLM(cfg))
+    phi = transformers.Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with pytest.raises(ValueError, match="styles smp does not implement: \\['colwise_gather_output', "
+                                         "'rowwise_split_input'\\]"):
+        smp.transform(transformers.Phi3ForCausalLM(phi))
 
 
 def test_transform_at_tp1_keeps_the_model_numerically_identical() -> None:

@@ -43,7 +43,7 @@ def _load_shards(kind: str, path: str) -> torch.Tensor:
         return gather_from_tp(model(input_ids=_batch()[0]).logits, smp.get_tp_process_group())
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2"])
 def test_save_pretrained_round_trip(kind: str, tmp_path: object) -> None:
     path = str(tmp_path)
     trained = run_ranks(_train_and_save, 2, args=(kind, path), timeout=180)

@@ -103,7 +103,8 @@ def _vocab_parallel(embed: nn.Embedding, group: Any) -> nn.Module:
 def transform(model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               config: Any = None, load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p",
               parallel_loss: bool = True, process_group: Any = None, init_weights: bool = False) -> nn.Module:
-    """Convert a supported Hugging Face causal LM (GPT-NeoX, Llama, Mistral, Mixtral) for TP, in place.
+    """Convert a supported Hugging Face causal LM for TP, in place: GPT-NeoX, Llama, Mistral, Mixtral,
+    GPT-2, and models whose ``base_model_tp_plan`` uses only implemented styles (Qwen2/3, Gemma, GPT-J).
 
     Args:
         model: a ``*ForCausalLM`` from transformers 5.x, identical on every TP rank (or on rank 0
@@ -167,7 +168,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
     head = model.get_output_embeddings()  # type: ignore[operator]
     tied = head is not None and head.weight is embed.weight
     base = model.base_model  # type: ignore[union-attr]
-    for pattern, style in (getattr(hf_config, "base_model_tp_plan", None) or {}).items():
+    for pattern, style in (dict(family.plan) or getattr(hf_config, "base_model_tp_plan", None) or {}).items():
         for owner, attr in _targets(base, pattern):
             apply_style(style, owner, attr, group)
     if isinstance(embed, nn.Embedding):
@@ -187,6 +188,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
         # Attention-probability dropout acts on this rank's heads: draw it from the TP-region
         # generator (always_call restores the default generator even when forward raises).
         attention = getattr(owner, attr)
+        if family.local_heads:
+            for count in ("num_heads", "num_attention_heads", "num_key_value_heads"):
+                if isinstance(getattr(attention, count, None), int):
+                    setattr(attention, count, getattr(attention, count) // tp)
         attention.register_forward_pre_hook(_enter_tp_rng)
         attention.register_forward_hook(_leave_tp_rng, always_call=True)
     model._smp_tp_transformed = True

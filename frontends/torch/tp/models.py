@@ -53,6 +53,12 @@ class ModelFamily:
     model_type: str
     attention: str
     checks: tuple[Callable[[Any, int], list[str]], ...] = (_heads_problems, _mlp_problems, _vocab_problems)
+    # The TP plan when the config has none (GPT-2); otherwise the config's base_model_tp_plan.
+    plan: tuple[tuple[str, str], ...] = ()
+    # Divide the attention modules' own head counts (num_heads, num_attention_heads,
+    # num_key_value_heads) by tp: for models read from their plan, whose attention may reshape with
+    # a stored head count instead of -1 (GPT-J).
+    local_heads: bool = False
 
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
@@ -60,6 +66,10 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "mistral": ModelFamily("mistral", "layers.*.self_attn"),
     "mixtral": ModelFamily("mixtral", "layers.*.self_attn"),
     "gpt_neox": ModelFamily("gpt_neox", "layers.*.attention"),
+    # GPT-2's config has no base_model_tp_plan and its projections are Conv1D (weight (in, out)).
+    "gpt2": ModelFamily("gpt2", "h.*.attn", plan=(
+        ("h.*.attn.c_attn", "conv1d_qkv_colwise"), ("h.*.attn.c_proj", "conv1d_rowwise"),
+        ("h.*.mlp.c_fc", "conv1d_colwise"), ("h.*.mlp.c_proj", "conv1d_rowwise"))),
 }
 
 
@@ -75,7 +85,7 @@ def _from_plan(config: Any) -> ModelFamily | None:
     for pattern in plan:
         head, _, leaf = pattern.rpartition(".")
         if leaf in ("q_proj", "query_key_value") and head:
-            return ModelFamily(str(config.model_type), head)
+            return ModelFamily(str(config.model_type), head, local_heads=True)
     return None
 
 

@@ -72,7 +72,8 @@ REGISTRY: dict[type, Registration] = {
     nn.Embedding: Registration(DistributedEmbedding, convert=_embedding),
 }
 
-HF_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "GPTNeoXForCausalLM")
+HF_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "GPTNeoXForCausalLM",
+                        "GPT2LMHeadModel", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
 
 
 def _hf_registrations() -> dict[type, Registration]:
@@ -80,7 +81,8 @@ def _hf_registrations() -> dict[type, Registration]:
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return {}
-    return {getattr(transformers, name): Registration(_hf, convert=_hf) for name in HF_CAUSAL_LM_CLASSES}
+    classes = [getattr(transformers, name, None) for name in HF_CAUSAL_LM_CLASSES]
+    return {cls: Registration(_hf, convert=_hf) for cls in classes if cls is not None}
 
 
 def all_registrations() -> dict[type, Registration]:

@@ -15,6 +15,9 @@ moe_tp_experts      experts module: enter / leave a TP region (gradient allreduc
 embedding_rowwise   ``nn.Embedding`` -> `VocabParallelEmbedding` (vocabulary split)
 replicated_with_    a replicated module applied to this rank's heads (Qwen3's q_norm/k_norm):
 grad_allreduce      its parameters' gradients are summed over the TP group
+conv1d_colwise      GPT-2 ``Conv1D`` (weight (in, out)) -> `ParallelConv1D` keeping output features
+conv1d_qkv_colwise  the same for GPT-2's fused ``c_attn`` (q | k | v: whole heads of each)
+conv1d_rowwise      GPT-2 ``Conv1D`` -> `ParallelConv1D` keeping input features
 ==================  ==========================================================================
 """
 
@@ -25,12 +28,13 @@ from typing import Any
 
 import torch
 from smp.torch.nn.embedding import VocabParallelEmbedding
+from smp.torch.nn.group import group_size
 from smp.torch.nn.linear import ColumnParallelLinear, RowParallelLinear
 from smp.torch.nn.mappings import copy_to_tp, reduce_from_tp
 from smp.torch.nn.params import mark_tp_sharded, shard_packed, shard_tensor
 from torch import nn
 
-__all__ = ["STYLES", "Style", "apply_style"]
+__all__ = ["STYLES", "ParallelConv1D", "Style", "apply_style"]
 
 Style = Callable[[nn.Module, str, Any], None]
 
@@ -96,6 +100,57 @@ def embedding_rowwise(owner: nn.Module, attr: str, group: Any) -> None:
     setattr(owner, attr, VocabParallelEmbedding.from_embedding(value, process_group=group))
 
 
+class ParallelConv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2: ``y = x W + b`` with ``W`` of shape (in, out)) split over TP.
+
+    ``mode="column"`` keeps this rank's slice of the output features (of each of ``packed`` equal
+    parts: GPT-2's ``c_attn`` is q | k | v, so ``packed=3`` gives each rank whole heads of each);
+    ``mode="row"`` keeps a slice of the input features, sums the partial products over the group
+    and adds the replicated bias once. Parameter names stay ``weight`` and ``bias``.
+    """
+
+    def __init__(self, conv: nn.Module, mode: str, group: Any, packed: int = 1) -> None:
+        super().__init__()
+        self.mode, self.group = mode, group
+        weight, bias = conv.weight, conv.bias
+        if mode == "column":
+            self.weight = nn.Parameter(shard_packed(weight, 1, packed, group, "output features"))
+            mark_tp_sharded(self.weight, 1, packed)
+            self.bias = nn.Parameter(shard_packed(bias, 0, packed, group, "output features"))
+            mark_tp_sharded(self.bias, 0, packed)
+        else:
+            self.weight = nn.Parameter(shard_tensor(weight, 0, group, "input features"))
+            mark_tp_sharded(self.weight, 0)
+            self.bias = nn.Parameter(bias.detach().clone())
+        self.nf = self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1] + (self.nf,)
+        if self.mode == "column":
+            x = copy_to_tp(x, self.group)
+            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(shape)
+        y = reduce_from_tp(x.reshape(-1, x.shape[-1]) @ self.weight, self.group)
+        return (y + self.bias).view(shape)
+
+
+def conv1d_colwise(owner: nn.Module, attr: str, group: Any) -> None:
+    setattr(owner, attr, ParallelConv1D(_expect(owner, attr, "conv1d_colwise", (nn.Module,)), "column", group))
+
+
+def conv1d_rowwise(owner: nn.Module, attr: str, group: Any) -> None:
+    setattr(owner, attr, ParallelConv1D(_expect(owner, attr, "conv1d_rowwise", (nn.Module,)), "row", group))
+
+
+def conv1d_qkv_colwise(owner: nn.Module, attr: str, group: Any) -> None:
+    # GPT-2's fused q | k | v projection: whole heads of each per rank; the attention module then
+    # splits the output into three parts of its local width and infers its head count.
+    conv = _expect(owner, attr, "conv1d_qkv_colwise", (nn.Module,))
+    setattr(owner, attr, ParallelConv1D(conv, "column", group, packed=3))
+    tp = group_size(group)
+    owner.split_size = owner.split_size // tp  # type: ignore[operator]
+    owner.num_heads = owner.num_heads // tp  # type: ignore[operator]
+
+
 def replicated_with_grad_allreduce(owner: nn.Module, attr: str, group: Any) -> None:
     value = _expect(owner, attr, "replicated_with_grad_allreduce", (nn.Module, nn.Parameter))
     # A replicated module applied to this rank's heads only (Qwen3's per-head q_norm / k_norm):
@@ -114,6 +169,9 @@ STYLES: dict[str, Style] = {
     "moe_tp_experts": moe_tp_experts,
     "embedding_rowwise": embedding_rowwise,
     "replicated_with_grad_allreduce": replicated_with_grad_allreduce,
+    "conv1d_colwise": conv1d_colwise,
+    "conv1d_rowwise": conv1d_rowwise,
+    "conv1d_qkv_colwise": conv1d_qkv_colwise,
 }
 
 
