@@ -3,7 +3,8 @@
 TP-sharded gradients average over RDP, the rest over DP. With ``prescaled_batch: True`` every TP
 rank gets the same batch (shard by rdp_rank); with the SMP v1 default ``False`` each rank gets its
 own (shard by dp_rank) and the model runs on the TP group's combined batch (reference 2.5). Covered:
-tp=2 alone, tp=2 x pp=2 (manual and automatic partition), tp=2 x rdp=2, every placement strategy,
+tp=2 alone, tp=2 x pp=2 (manual and automatic partition; every model family), tp=2 x rdp=2, every
+placement strategy,
 a loss computed in the step from the model's logits, and (slow) tp=2 x pp=2 x rdp=2 on 8 ranks.
 """
 
@@ -27,9 +28,9 @@ def _data() -> torch.Tensor:
     return torch.randint(0, 64, (SEQS, 10), generator=torch.Generator().manual_seed(7))
 
 
-def _reference() -> list[float]:
+def _reference(kind: str = "llama") -> list[float]:
     """One process, the global batch of SEQS sequences in one piece."""
-    ref = _model("llama")
+    ref = _model(kind)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     ids = _data()
     out = []
@@ -43,16 +44,17 @@ def _reference() -> list[float]:
 
 
 def _train(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", auto: bool = False,
-           loss_outside: bool = False, microbatches: int = 2) -> list[float]:
+           loss_outside: bool = False, microbatches: int = 2, kind: str = "llama") -> list[float]:
     import smp.torch as smp
 
     smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": pp, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": microbatches, "placement_strategy": placement,
               "auto_partition": auto, "default_partition": 0, "comm_timeout": 60.0})
-    hf = smp.transform(_model("llama"))
+    hf = smp.transform(_model(kind))
     model = smp.DistributedModel(hf)
     if pp > 1 and not auto:
-        for layer in hf.model.layers[len(hf.model.layers) // 2:]:
+        layers = hf.base_model.layers
+        for layer in layers[len(layers) // 2:]:
             smp.set_partition(layer, 1)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
@@ -94,6 +96,12 @@ def reference() -> list[float]:
 def test_tp_in_distributed_model_matches_one_process(reference: list[float], pp: int, rdp: int,
                                                      prescaled: bool) -> None:
     _check(run_ranks(_train, 2 * pp * rdp, args=(pp, rdp, prescaled), timeout=300), reference)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt_neox", "mixtral"])
+def test_tp_pp_trains_every_model_family_like_one_process(kind: str) -> None:
+    """tp=2 x pp=2, per-rank batches, for the other three families (Llama runs above)."""
+    _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", False, False, 2, kind), timeout=300), _reference(kind))
 
 
 def test_per_rank_batches_with_loss_from_logits_in_the_step(reference: list[float]) -> None:

@@ -178,12 +178,13 @@ def test_attention_dropout_draws_from_the_tp_generator_and_is_reproducible() -> 
     assert model(input_ids=ids, labels=labels).loss.item() != losses[0], "dropout was active in training"
 
 
-def _tp4() -> str:
+def _tp4(kind: str) -> str:
     import smp.torch as smp
     from smp.torch.nn import full_state_dict, gather_from_tp
 
     smp.init({"tensor_parallel_degree": 4, "ddp": True, "comm_timeout": 90.0})
-    dense, model = _model("llama", num_key_value_heads=4), _model("llama", num_key_value_heads=4)
+    over = {} if kind == "gpt_neox" else {"num_key_value_heads": 4}
+    dense, model = _model(kind, **over), _model(kind, **over)
     ids, labels = _batch()
     ref = dense(input_ids=ids, labels=labels)
     ref.loss.backward()
@@ -205,8 +206,9 @@ def _tp4() -> str:
     return "ok"
 
 
-def test_transform_tp4_on_4_ranks() -> None:
-    assert run_ranks(_tp4, 4, timeout=240) == ["ok"] * 4
+@pytest.mark.parametrize("kind", KINDS)
+def test_transform_tp4_on_4_ranks(kind: str) -> None:
+    assert run_ranks(_tp4, 4, args=(kind,), timeout=240) == ["ok"] * 4
 
 
 def _fresh() -> str:
