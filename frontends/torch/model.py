@@ -201,8 +201,7 @@ class DistributedModel(nn.Module):
             from .nn.batch import scale_arguments, unscale_outputs
 
             args, kwargs, batch = scale_arguments(args, kwargs)
-            return unscale_outputs(self.module(*args, **kwargs), batch,
-                                   vocab_sharded=getattr(self.module, "_smp_vocab_sharded_outputs", ()))
+            return unscale_outputs(self.module(*args, **kwargs), batch)
         return self.module(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:

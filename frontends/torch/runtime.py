@@ -8,6 +8,7 @@ rank map. Calling `init` again is a no-op (with a warning if the configuration d
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Mapping
@@ -116,6 +117,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
                                      float(cfg.comm_timeout))
     failure.set_channel(channel)
     channel.install_excepthook()
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(_shutdown_at_exit))  # a no-op after shutdown() or reset()
     _create_groups(rt, rank_map, launch.rank)
     os.environ.setdefault("RANK", str(launch.rank))
     os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
@@ -184,6 +187,20 @@ def reset() -> None:
 def shutdown() -> None:
     """Release communication resources at exit (SMP v1 name)."""
     reset()
+
+
+_EXIT_HOOK: list[Any] = []
+
+
+def _shutdown_at_exit() -> None:
+    # SMP v1 scripts never call shutdown. A gloo process group still alive at interpreter exit can
+    # abort the process ("terminate called without an active exception") while a peer is still
+    # working, and torchrun then kills the whole job: tear it down first.
+    if smp_state.current().runtime is not None:
+        try:
+            reset()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def config() -> Config:

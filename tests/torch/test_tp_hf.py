@@ -53,7 +53,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _tp2(kind: str, from_rank0: bool, tied: bool, parallel_loss: bool = True) -> str:
     import smp.torch as smp
-    from smp.torch.nn import full_state_dict, gather_from_tp, is_tp_sharded
+    from smp.torch.nn import full_state_dict, is_tp_sharded
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
     over = {"tie_word_embeddings": True} if tied else {}
@@ -75,8 +75,8 @@ def _tp2(kind: str, from_rank0: bool, tied: bool, parallel_loss: bool = True) ->
     assert model.get_input_embeddings().weight.shape[0] == 32
     out = model(input_ids=ids, labels=labels)
     if parallel_loss:
-        assert out.logits.shape[-1] == 32, "the logits stay vocabulary-sharded"
-        logits = gather_from_tp(out.logits.detach(), group)
+        assert out.logits.shape[-1] == 64, "the full logits are returned (the loss used this rank's slice)"
+        logits = out.logits.detach()
     else:
         assert out.logits.shape[-1] == 64, "parallel_loss=False gathers the logits"
         logits = out.logits.detach()
@@ -180,7 +180,7 @@ def test_attention_dropout_draws_from_the_tp_generator_and_is_reproducible() -> 
 
 def _tp4(kind: str) -> str:
     import smp.torch as smp
-    from smp.torch.nn import full_state_dict, gather_from_tp
+    from smp.torch.nn import full_state_dict
 
     smp.init({"tensor_parallel_degree": 4, "ddp": True, "comm_timeout": 90.0})
     over = {} if kind == "gpt_neox" else {"num_key_value_heads": 4}
@@ -196,8 +196,8 @@ def _tp4(kind: str) -> str:
         assert p.numel() * (4 if is_tp_sharded(p) else 1) == dense_params[name].numel(), name
     out = model(input_ids=ids, labels=labels)
     group = smp.get_tp_process_group()
-    assert out.logits.shape[-1] == 16
-    torch.testing.assert_close(gather_from_tp(out.logits.detach(), group), ref.logits.detach(), rtol=1e-5, atol=1e-5)
+    assert out.logits.shape[-1] == 64
+    torch.testing.assert_close(out.logits.detach(), ref.logits.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
     out.loss.backward()
     grads = full_state_dict(model, group, grads=True)
@@ -235,3 +235,23 @@ def _fresh() -> str:
 
 def test_transform_with_fresh_weights_is_the_same_model_on_every_tp_rank() -> None:
     assert run_ranks(_fresh, 2) == ["ok", "ok"]
+
+
+def _sliced_logits() -> str:
+    import smp.torch as smp
+    from smp.torch.nn import gather_from_tp
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
+    dense = _model("llama")
+    model = smp.transform(_model("llama"), gather_logits=False)
+    ids, labels = _batch()
+    out, ref = model(input_ids=ids, labels=labels), dense(input_ids=ids, labels=labels)
+    assert out.logits.shape[-1] == 32, "gather_logits=False: this rank's vocabulary slice"
+    torch.testing.assert_close(gather_from_tp(out.logits.detach(), smp.get_tp_process_group()), ref.logits.detach(),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    return "ok"
+
+
+def test_transform_can_keep_the_logits_vocabulary_sharded() -> None:
+    assert run_ranks(_sliced_logits, 2) == ["ok", "ok"]

@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 
 def _train_and_save(kind: str, path: str) -> torch.Tensor:
     import smp.torch as smp
-    from smp.torch.nn import gather_from_tp
     from smp.torch.tp import save_pretrained
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
@@ -28,19 +27,18 @@ def _train_and_save(kind: str, path: str) -> torch.Tensor:
         opt.step()
     save_pretrained(model, path)
     with torch.no_grad():
-        return gather_from_tp(model(input_ids=ids).logits, smp.get_tp_process_group())
+        return model(input_ids=ids).logits
 
 
 def _load_shards(kind: str, path: str) -> torch.Tensor:
     import smp.torch as smp
-    from smp.torch.nn import gather_from_tp
     from smp.torch.tp import load_hf_checkpoint
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
     model = smp.transform(_model(kind, seed=100 + smp.rank()))  # different weights until loaded
     assert load_hf_checkpoint(model, path) == []
     with torch.no_grad():
-        return gather_from_tp(model(input_ids=_batch()[0]).logits, smp.get_tp_process_group())
+        return model(input_ids=_batch()[0]).logits
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2"])
@@ -63,7 +61,6 @@ def test_save_pretrained_round_trip(kind: str, tmp_path: object) -> None:
 def _distributed_train_and_save(path: str, tp: int, pp: int, how: str, over: dict[str, Any]) -> torch.Tensor:
     """Train 2 steps at tp x pp, save_pretrained, return the full logits of the trained model (forward-only step)."""
     import smp.torch as smp
-    from smp.torch.nn import gather_from_tp
 
     smp.init({"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "ddp": True, "prescaled_batch": True,
               "microbatches": 3, "auto_partition": False, "default_partition": 0, "comm_timeout": 60.0})
@@ -100,7 +97,7 @@ def _distributed_train_and_save(path: str, tp: int, pp: int, how: str, over: dic
     model.save_pretrained(path)
     with torch.no_grad():
         logits = logits_step(model, ids).concat()
-    return gather_from_tp(logits, smp.get_tp_process_group()) if tp > 1 else logits
+    return logits
 
 
 _PLAIN = """
@@ -155,7 +152,6 @@ KV4 = {"num_key_value_heads": 4}
 
 def _load_at(path: str) -> torch.Tensor:
     import smp.torch as smp
-    from smp.torch.nn import gather_from_tp
     from smp.torch.tp import load_hf_checkpoint
 
     smp.init({"tensor_parallel_degree": smp_size(), "ddp": True, "comm_timeout": 60.0})
@@ -163,7 +159,7 @@ def _load_at(path: str) -> torch.Tensor:
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in _model("llama", **KV4).parameters())
     assert load_hf_checkpoint(model, path) == []
     with torch.no_grad():
-        return gather_from_tp(model(input_ids=_batch()[0]).logits, smp.get_tp_process_group())
+        return model(input_ids=_batch()[0]).logits
 
 
 def smp_size() -> int:

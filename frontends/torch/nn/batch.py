@@ -136,44 +136,14 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
     return out[0], out[1], b
 
 
-def unscale_outputs(out: Any, batch: int | None, process_group: Any = None,
-                    vocab_sharded: tuple[str | int, ...] = ()) -> Any:
+def unscale_outputs(out: Any, batch: int | None, process_group: Any = None) -> Any:
     """This rank's part of every output tensor whose first dimension is the scaled batch
-    (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole.
-
-    Entries named in ``vocab_sharded`` (keys of a dict-like output such as a Hugging Face
-    ``ModelOutput``, or positions in a tuple output, -1 for the last) hold this rank's slice of the
-    last dimension (vocabulary-parallel logits): they are gathered first, so the caller gets its own
-    samples' full logits.
-    """
+    (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole."""
     from smp.torch.engine.wire import map_structure
 
     group = resolve_group(process_group)
     t = group_size(group)
     if batch is None or t == 1:
         return out
-
-    def own(y: Any) -> Any:
-        if isinstance(y, torch.Tensor) and y.dim() >= 1 and y.shape[0] == t * batch:
-            return unscale_batch(y, group)
-        return y
-
-    if vocab_sharded and isinstance(out, (dict, tuple)):
-        from .mappings import gather_from_tp
-
-        def full(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == t * batch:
-                return gather_from_tp(value, group, dim=-1)
-            return value
-
-        if isinstance(out, dict):
-            for key in vocab_sharded:
-                if key in out:
-                    out[key] = full(out[key])
-        elif not hasattr(out, "_fields"):  # a plain tuple; positions count from either end
-            items = list(out)
-            for pos in vocab_sharded:
-                if isinstance(pos, int) and -len(items) <= pos < len(items):
-                    items[pos] = full(items[pos])
-            out = tuple(items)
-    return map_structure(out, own)
+    return map_structure(out, lambda y: unscale_batch(y, group) if isinstance(y, torch.Tensor)
+                         and y.dim() >= 1 and y.shape[0] == t * batch else y)

@@ -9,7 +9,9 @@
 
 The word embedding is vocabulary-parallel (`VocabParallelEmbedding`, rank r holds vocabulary rows
 r*V/tp .. (r+1)*V/tp), so the tied LM head yields each rank's vocabulary slice of the logits and
-the loss is `parallel_cross_entropy`: the full logits never exist on one rank. (SMP v1 split this
+the loss is `parallel_cross_entropy` on that slice (no rank computes the full softmax). The
+logits returned are gathered over the vocabulary, as SMP v1 returns them; the allgather's backward
+only runs when the caller uses them. (SMP v1 split this
 table along ``embedding_dim``; splitting the vocabulary is what makes large vocabularies fit.)
 Position and token-type embeddings are small and replicated.
 """
@@ -26,7 +28,7 @@ from .attention import MASK_VALUE
 from .basic import DistributedModule
 from .cross_entropy import parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .mappings import copy_to_tp
+from .mappings import copy_to_tp, gather_from_tp
 from .transformer import DistributedTransformer
 
 __all__ = ["DistributedTransformerLMHead"]
@@ -81,9 +83,6 @@ class DistributedTransformerLMHead(DistributedModule):
             add_cross_attention=add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
             process_group=self.group)
         self.add_cross_attention, self.add_lm_head = add_cross_attention, add_lm_head
-        # The logits (last output) are vocabulary-sharded: with per-rank batches (prescaled_batch:
-        # False) smp.DistributedModel gathers them before handing each rank its own samples' rows.
-        self._smp_vocab_sharded_outputs = (-1,) if add_lm_head else ()
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         if self.add_cross_attention:
@@ -103,8 +102,9 @@ class DistributedTransformerLMHead(DistributedModule):
         hidden = self.transformer(args)[0]
         if not self.add_lm_head:
             return (hidden,)
-        logits = F.linear(copy_to_tp(hidden, self.group), self.word_embedding.weight)
+        local = F.linear(copy_to_tp(hidden, self.group), self.word_embedding.weight)  # [N, S, V/tp]
+        logits = gather_from_tp(local, self.group, dim=-1)  # the full logits, as SMP v1 returns them
         if labels is None:
             return (logits,)
         shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
-        return parallel_cross_entropy(logits, shifted, process_group=self.group), logits
+        return parallel_cross_entropy(local, shifted, process_group=self.group), logits

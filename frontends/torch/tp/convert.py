@@ -19,6 +19,7 @@ With tp = 2, a Llama layer becomes::
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from smp.torch.nn.embedding import VocabParallelEmbedding
 from smp.torch.nn.group import TPShardingError, group_size, resolve_group
 from smp.torch.nn.linear import ColumnParallelLinear
+from smp.torch.nn.mappings import gather_from_tp
 from smp.torch.nn.rng import tp_rng
 from smp.torch.nn.te_backend import swap_to_te
 from torch import nn
@@ -68,6 +70,16 @@ def _leave_tp_rng(module: nn.Module, args: Any, output: Any) -> None:
         stack.close()
 
 
+def _gather_logits(group: Any) -> Callable[..., Any]:
+    def hook(_module: nn.Module, _args: Any, out: Any) -> Any:
+        logits = out.get("logits") if isinstance(out, dict) else None
+        if isinstance(logits, torch.Tensor):
+            out["logits"] = gather_from_tp(logits, group, dim=-1)
+        return out
+
+    return hook
+
+
 def _fresh_weights(model: nn.Module) -> None:
     """Re-run the Hugging Face initialisation on every module with a seed every rank shares."""
     from smp.torch.nn.rng import _config_seed
@@ -102,7 +114,8 @@ def _vocab_parallel(embed: nn.Embedding, group: Any) -> nn.Module:
 
 def transform(model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               config: Any = None, load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p",
-              parallel_loss: bool = True, process_group: Any = None, init_weights: bool = False) -> nn.Module:
+              parallel_loss: bool = True, process_group: Any = None, init_weights: bool = False,
+              gather_logits: bool = True) -> nn.Module:
     """Convert a supported Hugging Face causal LM for TP, in place: GPT-NeoX, Llama, Mistral, Mixtral,
     GPT-2, and models whose ``base_model_tp_plan`` uses only implemented styles (Qwen2/3, Gemma, GPT-J).
 
@@ -122,14 +135,18 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
             different or meta-device weights.
         cp_comm_type: SMP v2 context-parallel argument; accepted, context parallelism is not
             implemented.
-        parallel_loss: keep the logits vocabulary-sharded and compute the loss with
-            `smp.torch.nn.parallel_cross_entropy` (default). False gathers the full logits on every
-            rank and keeps Hugging Face's loss.
+        parallel_loss: compute the loss with `smp.torch.nn.parallel_cross_entropy` on this rank's
+            vocabulary slice of the logits (default), so no rank holds the full softmax. False
+            gathers the logits first and keeps Hugging Face's loss.
         process_group: the TP group (default: smp's TP group).
+        gather_logits: with ``parallel_loss``, return the full logits (default, as the dense model
+            and SMP v1 do: an allgather per forward). False returns this rank's ``vocab / tp`` slice
+            (``smp.torch.nn.gather_from_tp(logits, group)`` gives the full logits) and saves that
+            memory when only the loss is used. With per-rank batches (``prescaled_batch: False``)
+            the sliced logits' rows are the rank's own samples.
 
     Returns:
-        ``model``, converted. ``model(...).logits`` is this rank's ``vocab / tp`` slice when
-        ``parallel_loss``; ``smp.torch.nn.gather_from_tp(logits, group)`` gives the full logits.
+        ``model``, converted.
 
     Raises:
         TPShardingError: listing every size that does not split (heads, key/value heads,
@@ -181,9 +198,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None, dtype:
         model.set_output_embeddings(new_head)  # type: ignore[operator]
         if parallel_loss:
             model.loss_function = causal_lm_loss(group)
-            # With per-rank batches (prescaled_batch: False) DistributedModel gathers these before
-            # handing each rank its own samples' outputs.
-            model._smp_vocab_sharded_outputs = ("logits",)
+            if gather_logits:
+                # The loss above works on this rank's vocabulary slice; the caller gets the full
+                # logits, as from the dense model (and from SMP v1).
+                model.register_forward_hook(_gather_logits(group))
     for owner, attr in _targets(base, family.attention):
         # Attention-probability dropout acts on this rank's heads: draw it from the TP-region
         # generator (always_call restores the default generator even when forward raises).

@@ -60,11 +60,13 @@ def _embedding(module: nn.Embedding, _skip_allgather: bool = False, process_grou
 
 
 def _hf(module: nn.Module, device: Any = None, dtype: Any = None, load_state_dict_from_rank0: bool = False,
-        parallel_loss: bool = True, process_group: Any = None) -> nn.Module:
+        parallel_loss: bool = True, process_group: Any = None, gather_logits: bool = True,
+        init_weights: bool = False) -> nn.Module:
     from .convert import transform
 
     return transform(module, device=device, dtype=dtype, load_state_dict_from_rank0=load_state_dict_from_rank0,
-                     parallel_loss=parallel_loss, process_group=process_group)
+                     parallel_loss=parallel_loss, process_group=process_group, gather_logits=gather_logits,
+                     init_weights=init_weights)
 
 
 REGISTRY: dict[type, Registration] = {
