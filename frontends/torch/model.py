@@ -25,6 +25,7 @@ from . import placement as partition_mod
 from .engine.engine import Engine, current_task
 from .engine.wire import Transport
 from .failure import wait
+from .nn.params import gather_named, is_tp_sharded, shard_packed
 from .runtime import runtime
 
 logger = logging.getLogger("smp")
@@ -116,7 +117,10 @@ class DistributedModel(nn.Module):
         st.model = self
         from .saving import pending
 
-        if "model" in pending:  # resume_from_checkpoint ran before the model existed
+        self._saved_partition: dict[str, int] | None = None
+        if "partition" in pending:  # resume_from_checkpoint ran before the model existed
+            self._use_saved_partition(pending.pop("partition"))
+        if "model" in pending:
             sd, strict = pending.pop("model")
             self._pending_loads.append((sd, strict))
         if self._cfg.pipeline_parallel_degree == 1:
@@ -217,8 +221,29 @@ class DistributedModel(nn.Module):
 
     # --- partitioning -------------------------------------------------------------------------------
 
+    def _use_saved_partition(self, assignment: dict[str, int]) -> None:
+        """Take the partition a checkpoint was saved with (applied at the first step)."""
+        if self._partitioned:
+            if self._cfg.pipeline_parallel_degree > 1 and dict(assignment) != self._owner:
+                raise SMPError("resume_from_checkpoint: the checkpoint was saved with another partition than the "
+                               "one this model already has. Fix: call resume_from_checkpoint before the first "
+                               "step, so the saved partition is used")
+            return
+        paths = {p for p, _ in self.module.named_modules()}
+        if set(assignment) != paths:
+            extra, missing = sorted(set(assignment) - paths), sorted(paths - set(assignment))
+            raise SMPError(f"resume_from_checkpoint: the checkpoint's partition names other modules than this "
+                           f"model has (only in the checkpoint: {extra[:5]}, only in the model: {missing[:5]}). "
+                           f"Fix: build the same model as the one that was saved")
+        self._saved_partition = dict(assignment)
+
     def _decide_partition(self, first_microbatch: Callable[[], Any]) -> None:
         cfg = self._cfg
+        if self._saved_partition is not None:
+            if smp_state.current().rank == 0:
+                logger.info("partition loaded from the checkpoint (not traced or recomputed)")
+            self._apply_partition(self._saved_partition, None)
+            return
         if cfg.auto_partition:
             st = smp_state.current()
             decision = None
@@ -367,7 +392,6 @@ class DistributedModel(nn.Module):
         """Make every DP replica start from DP rank 0's parameters and buffers (TP shards: RDP rank 0's)."""
         if not self._cfg.ddp:
             return
-        from .nn.params import is_tp_sharded
 
         (dp, dp_ranks), (rdp, rdp_ranks) = self._reduction_groups()
         tensors = [b for _, b in self.local_named_buffers()]
@@ -387,7 +411,6 @@ class DistributedModel(nn.Module):
                 g.div_(cfg.microbatches)
         if not cfg.ddp or self._steps % self.backward_passes_per_step:
             return
-        from .nn.params import is_tp_sharded
 
         (dp, dp_ranks), (rdp, rdp_ranks) = self._reduction_groups()
         params = [p for p in self.local_parameters() if p.grad is not None]
@@ -433,17 +456,25 @@ class DistributedModel(nn.Module):
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,  # type: ignore[override]
                    cast_to_cpu: bool = True, gather_to_rank0: bool = True) -> dict[str, Any]:
-        """The full state dict, gathered from every pipeline rank of this replica.
+        """The full state dict, gathered from every pipeline rank of this replica (TP shards as full
+        tensors, loadable by the unsharded model).
 
         Call it on every rank with ``dp_rank() == 0`` (``rdp_rank() == 0`` with TP), as in SMP v1.
         """
+        tp = self._cfg.tensor_parallel_degree > 1
         if not self._partitioned or self._cfg.pipeline_parallel_degree == 1:
             sd = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            if tp:
+                sd = gather_named(sd, runtime().groups[GroupKind.TP])
             return {k: (v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) else v)
                     for k, v in sd.items()}
         from .comm import MP_GROUP, allgather
 
-        parts = allgather(self.local_state_dict(cast_to_cpu=True), MP_GROUP)
+        local = self.local_state_dict(cast_to_cpu=True)
+        if tp:
+            local = {**gather_named(self._local_state_tensors(), runtime().groups[GroupKind.TP]),
+                     "_smp_is_partial": True}
+        parts = allgather(local, MP_GROUP)
         if gather_to_rank0 and smp_state.current().rank != 0:
             return {}
         full: dict[str, Any] = {}
@@ -472,7 +503,13 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             for k, t in own.items():
                 if k in state_dict:
-                    t.copy_(state_dict[k])
+                    value = state_dict[k]
+                    if is_tp_sharded(t) and tuple(value.shape) != tuple(t.shape):
+                        # a full tensor (a full checkpoint, an unsharded model's state dict): this
+                        # rank's shard of it
+                        value = shard_packed(value, int(t.tp_split_dim), int(getattr(t, "tp_packed", 1)),
+                                             runtime().groups[GroupKind.TP], k)
+                    t.copy_(value)
         return None
 
     def step_timeline(self, title: str = "measured step") -> Any:

@@ -24,6 +24,10 @@ from .comm import WORLD, allgather, barrier, pp_rank, rank, rdp_rank, tp_rank
 pending: dict[str, Any] = {}
 
 
+# Key of the partition decision (module path -> pp_rank) inside a partial checkpoint's smp_config.pt.
+PARTITION_KEY = "_smp_partition"
+
+
 def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle, pickle_protocol: int = 2,
          v3: bool = False, **kwargs: Any) -> None:
     """``torch.save`` for smp: ``partial=True`` writes ``f"{f}_{pp}_{tp}.pt"`` (``_{rdp}`` with v3) on each
@@ -75,6 +79,10 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
     optimizer_state = optimizer.local_state_dict() if (writer and optimizer is not None) else None
     if writer:
         cfg = st.cfg.as_dict() if st.cfg is not None else None
+        if cfg is not None and model.partitioned:
+            # The partition decision travels with the checkpoint: a partial checkpoint only loads
+            # into the same partition (SMP v1 reloads it and keeps it).
+            cfg[PARTITION_KEY] = dict(model._owner)
         files.write_partial_checkpoint(path, tag, info, model_state, optimizer_state, user_content, cfg,
                                        write_shared=rank() == 0, smp_version=smp.__version__)
     infos = allgather(info if writer else None, WORLD)
@@ -101,6 +109,12 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         return got.get("user_content")
     info = files.detect_rankinfo(path, tag, pp_rank(), tp_rank())
     got = files.read_partial_checkpoint(path, tag, info, load_optimizer=load_optimizer)
+    saved_partition = (got.get("config") or {}).get(PARTITION_KEY)
+    if saved_partition is not None:
+        if st.model is not None:
+            st.model._use_saved_partition(saved_partition)
+        else:
+            pending["partition"] = saved_partition
     if got.get("model") is not None:
         if st.model is not None:
             st.model.load_state_dict(got["model"], strict=strict)

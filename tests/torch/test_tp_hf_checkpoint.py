@@ -192,3 +192,71 @@ def _save_non_hf(path: str) -> str:
 def test_save_pretrained_of_a_non_hf_model_is_refused_clearly(tmp_path: Any) -> None:
     message = run_ranks(_save_non_hf, 1, args=(str(tmp_path),), timeout=60)[0]
     assert "not a Hugging Face PreTrainedModel" in message and "Linear" in message
+
+
+def _smp_checkpoints(path: str, phase: str) -> Any:
+    """tp=2 x pp=2: 'save' trains 2 steps with a manual partition and writes a partial and a full
+    checkpoint; 'resume' starts with automatic partitioning (which would split differently) and must
+    take the saved partition; 'full' loads the full checkpoint at the same layout."""
+    import smp.torch as smp
+
+    resume = phase != "save"
+    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": True, "microbatches": 3,
+              "prescaled_batch": True, "auto_partition": resume, "default_partition": 0, "comm_timeout": 60.0})
+    hf = _model("llama", seed=5 if resume else 0)  # resumed runs start from other weights
+    smp.transform(hf)
+    model = smp.DistributedModel(hf)
+    if not resume:
+        for layer in hf.model.layers[1:]:
+            smp.set_partition(layer, 1)
+        smp.set_partition(hf.lm_head, 1)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    if phase == "resume":
+        smp.resume_from_checkpoint(path, tag="step2")
+    elif phase == "full":
+        smp.resume_from_checkpoint(path, tag="full", partial=False)
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss)
+        return loss
+
+    ids, labels = _batch()
+    losses = []
+    for _ in range(1 if phase == "full" else 2 if resume else 4):
+        opt.zero_grad()
+        losses.append(train_step(model, ids, labels).reduce_mean().item())
+        if phase != "full":
+            opt.step()
+        if phase == "save" and len(losses) == 2:
+            smp.save_checkpoint(path, tag="step2", partial=True, model=model, optimizer=opt)
+            smp.save_checkpoint(path, tag="full", partial=False, model=model)
+            full = model.state_dict()
+            if smp.rank() == 0:
+                assert full["model.embed_tokens.weight"].shape == (64, 32), "state_dict() holds full tensors"
+    owner = {p: r for p, r in model._owner.items() if p in ("lm_head", "model.layers.0", "model.layers.1")}
+    return losses, owner
+
+
+def test_smp_checkpoints_under_tp_pp_keep_partition_and_full_tensors(tmp_path: Any) -> None:
+    path = str(tmp_path)
+    saved = run_ranks(_smp_checkpoints, 4, args=(path, "save"), timeout=240)
+    losses, owner = saved[0]
+    assert owner == {"lm_head": 1, "model.layers.0": 0, "model.layers.1": 1}
+    # The full checkpoint is the unsharded model: it loads into plain transformers.
+    plain = _model("llama", seed=5)
+    state = torch.load(str(tmp_path / "full"), weights_only=False)  # SMP v1's full checkpoint file
+    state = state.get("model", state) if isinstance(state, dict) else state
+    plain.load_state_dict({k: v for k, v in state.items() if not k.startswith("_smp")})
+    ids, labels = _batch()
+    with torch.no_grad():  # the step's loss is the mean of the 3 one-sequence microbatches' losses
+        plain_loss = sum(plain(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss.item() for i in range(3)) / 3
+    assert abs(plain_loss - losses[2]) < 1e-4
+    # Resuming the partial checkpoint under automatic partitioning keeps the saved partition and
+    # continues with the same losses; the full checkpoint loads at the TP x PP layout too.
+    for resumed_losses, resumed_owner in run_ranks(_smp_checkpoints, 4, args=(path, "resume"), timeout=240):
+        assert resumed_owner == owner
+        torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[2:]), rtol=1e-5, atol=1e-6)
+    for full_losses, _ in run_ranks(_smp_checkpoints, 4, args=(path, "full"), timeout=240):
+        assert abs(full_losses[0] - losses[2]) < 1e-4

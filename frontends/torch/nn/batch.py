@@ -126,7 +126,8 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
             rows = ", ".join(f"tp_rank {i}: batch {int(e[0])}, {int(e[1])} tensor(s), {int(e[2])} elements"
                              for i, e in enumerate(every))
             raise TPShardingError(
-                f"the TP ranks called the model with different batches ({rows}). With prescaled_batch: False "
+                f"the TP ranks called the model with different batches ({rows}; inside @smp.step these are "
+                f"per-microbatch sizes: the batch divided by the microbatches config). With prescaled_batch: False "
                 f"each TP rank passes its own batch and they are concatenated, so every rank of a TP group "
                 f"needs the same batch size and tensor shapes. Fix: give every rank equal batches (a "
                 f"DataLoader with drop_last=True), or use prescaled_batch: True with the same batch on every "

@@ -24,7 +24,7 @@ from torch import nn
 from .group import divide, group_rank, group_size
 
 __all__ = ["shard_tensor", "mark_tp_sharded", "is_tp_sharded", "tp_split_dim", "sharded_parameter",
-           "gather_full", "full_state_dict", "shard_packed"]
+           "gather_full", "gather_named", "full_state_dict", "shard_packed"]
 
 
 def shard_tensor(full: torch.Tensor, dim: int, group: Any, what: str = "size") -> torch.Tensor:
@@ -106,6 +106,20 @@ def gather_full(tensor: torch.Tensor, group: Any) -> torch.Tensor:
         return torch.cat(parts, dim=dim)
     pieces = [p.chunk(packed, dim=dim) for p in parts]
     return torch.cat([pieces[r][k] for k in range(packed) for r in range(len(parts))], dim=dim)
+
+
+def gather_named(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered, detached, CPU) copies of ``tensors`` by name; aliases share one gather.
+
+    A collective over ``group``: every TP rank passes the same names in the same order.
+    """
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if id(t) not in done:
+            done[id(t)] = gather_full(t, group).cpu()
+        out[name] = done[id(t)]
+    return out
 
 
 def full_state_dict(module: nn.Module, group: Any, grads: bool = False) -> dict[str, torch.Tensor]:

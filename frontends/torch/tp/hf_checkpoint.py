@@ -19,24 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from smp.torch.nn.group import group_rank, group_size, resolve_group
-from smp.torch.nn.params import gather_full, tp_split_dim
+from smp.torch.nn.params import gather_named, tp_split_dim
 from torch import nn
 
 __all__ = ["full_hf_state_dict", "save_pretrained", "save_distributed", "load_hf_checkpoint"]
-
-
-def _gather_named(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
-    """Full (TP-gathered, detached, CPU) copies of ``tensors`` by name; aliases share one gather.
-
-    A collective over ``group``: every TP rank passes the same names in the same order.
-    """
-    done: dict[int, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if id(t) not in done:
-            done[id(t)] = gather_full(t, group).cpu()
-        out[name] = done[id(t)]
-    return out
 
 
 def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str, torch.Tensor]:
@@ -44,7 +30,7 @@ def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str,
 
     Tied weights (``lm_head.weight`` is ``embed_tokens.weight``) appear under both names, both full.
     """
-    return _gather_named(model.state_dict(keep_vars=True), resolve_group(process_group))
+    return gather_named(model.state_dict(keep_vars=True), resolve_group(process_group))
 
 
 def _require_hf(module: nn.Module) -> None:
@@ -104,7 +90,7 @@ def save_distributed(model: Any, path: str, **kwargs: Any) -> None:
             local = model._local_state_tensors()
         else:
             local = module.state_dict(keep_vars=True) if smp.pp_rank() == 0 else {}
-        stage = _gather_named(local, resolve_group(None))
+        stage = gather_named(local, resolve_group(None))
     if first_replica and smp.tp_rank() == 0:
         if smp.rank() == 0:
             full = dict(stage)
