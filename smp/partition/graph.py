@@ -218,13 +218,22 @@ class ModuleTree:
 def exclusive_compute(inclusive: Mapping[str, float], children: Mapping[str, Iterable[str]]) -> dict[str, float]:
     """Turn inclusive timings (a module's time with its children) into the own costs a node wants.
 
-    Negative differences (timer noise) clip to zero.
+    A child that was never called itself (a ``ModuleList`` whose parent loops over its members)
+    counts with the time of its own descendants, so the parent's own cost excludes the members'
+    work. Negative differences (timer noise) clip to zero.
 
     Example:
         >>> exclusive_compute({"": 10.0, "a": 4.0, "b": 5.0}, {"": ["a", "b"], "a": [], "b": []})
         {'': 1.0, 'a': 4.0, 'b': 5.0}
+        >>> exclusive_compute({"": 10.0, "l.0": 4.0, "l.1": 5.0}, {"": ["l"], "l": ["l.0", "l.1"]})
+        {'': 1.0, 'l.0': 4.0, 'l.1': 5.0}
     """
+    def spent(path: str) -> float:
+        if path in inclusive:
+            return inclusive[path]
+        return sum(spent(c) for c in children.get(path, ()))
+
     return {
-        path: max(0.0, total - sum(inclusive.get(c, 0.0) for c in children.get(path, ())))
+        path: max(0.0, total - sum(spent(c) for c in children.get(path, ())))
         for path, total in inclusive.items()
     }

@@ -245,3 +245,15 @@ def test_atomic_modules_are_never_opened() -> None:
     opened = [ModuleNode(n.path, n.children, n.param_bytes, compute=n.compute) for n in nodes]
     part = partition_tree(ModuleTree(opened), 2, memory_weight=0.0)
     assert _rank_compute(part) == [3.0, 5.0], "without the flag the block is opened"
+
+
+def test_exclusive_compute_subtracts_the_members_of_a_never_called_container() -> None:
+    """A parent looping over a ModuleList's members: the list itself has no timing, its members do;
+    the parent's own cost must not include them (it did, doubling the layers' weight)."""
+    from smp.partition import exclusive_compute
+
+    own = exclusive_compute({"": 12.0, "model": 11.0, "model.embed": 1.0, "model.layers.0": 4.0,
+                             "model.layers.1": 5.0},
+                            {"": ["model"], "model": ["model.embed", "model.layers"],
+                             "model.layers": ["model.layers.0", "model.layers.1"]})
+    assert own == {"": 1.0, "model": 1.0, "model.embed": 1.0, "model.layers.0": 4.0, "model.layers.1": 5.0}
