@@ -109,7 +109,18 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         return got.get("user_content")
     info = files.detect_rankinfo(path, tag, pp_rank(), tp_rank())
     got = files.read_partial_checkpoint(path, tag, info, load_optimizer=load_optimizer)
-    saved_partition = (got.get("config") or {}).get(PARTITION_KEY)
+    saved_cfg = got.get("config") or {}
+    if st.cfg is not None:
+        changed = [f"{key} {saved_cfg[key]} -> {getattr(st.cfg, key)}"
+                   for key in ("pipeline_parallel_degree", "tensor_parallel_degree")
+                   if key in saved_cfg and saved_cfg[key] != getattr(st.cfg, key)]
+        if changed:
+            raise SMPCheckpointError(
+                f"resume_from_checkpoint: the partial checkpoint {path!r} was saved with another layout "
+                f"({', '.join(changed)}); a partial checkpoint only loads into the layout it was saved with. Fix: "
+                f"resume with the saved degrees, or save a full checkpoint (save_checkpoint(..., partial=False)) "
+                f"and load it with resume_from_checkpoint(..., partial=False), which works in any layout")
+    saved_partition = saved_cfg.get(PARTITION_KEY)
     if saved_partition is not None:
         if st.model is not None:
             st.model._use_saved_partition(saved_partition)

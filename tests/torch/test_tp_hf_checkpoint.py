@@ -260,3 +260,17 @@ def test_smp_checkpoints_under_tp_pp_keep_partition_and_full_tensors(tmp_path: A
         torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[2:]), rtol=1e-5, atol=1e-6)
     for full_losses, _ in run_ranks(_smp_checkpoints, 4, args=(path, "full"), timeout=240):
         assert abs(full_losses[0] - losses[2]) < 1e-4
+    for msg in run_ranks(_resume_in_another_layout, 4, args=(path,), timeout=240):
+        assert "pipeline_parallel_degree 2 -> 1" in msg and "partial=False" in msg, msg
+
+
+def _resume_in_another_layout(path: str) -> str:
+    import smp.torch as smp
+
+    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 1, "ddp": True, "comm_timeout": 60.0})
+    smp.DistributedModel(smp.transform(_model("llama")))
+    try:
+        smp.resume_from_checkpoint(path, tag="step2")
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
