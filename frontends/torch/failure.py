@@ -204,4 +204,12 @@ def wait(work: _Work, what: str, peers: object, timeout_s: float | None = None, 
         if pause:
             time.sleep(pause)
         pause = min(0.002, pause * 2 if pause else 0.00005) if now - start > 0.001 else 0.0
-    return work.wait()
+    try:
+        return work.wait()
+    except RuntimeError:
+        # A peer that failed closes its connections ("Connection closed by peer"): report its
+        # published error rather than the transport's.
+        if ch is not None:
+            time.sleep(0.2)
+            ch.check()
+        raise
