@@ -29,43 +29,38 @@ import torch
 from torch import nn
 
 from .group import TPShardingError, communicates, group_size, resolve_group
-from .mappings import _allgather, split_along_dim
+from .mappings import gather_from_tp, scatter_to_tp
 
 __all__ = ["scale_batch", "unscale_batch", "BatchScaled", "scale_arguments", "unscale_outputs"]
 
 
-class _ScaleIn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _allgather(x, dim, group)
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor`` backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return split_along_dim(grad, ctx.dim, ctx.group) * group_size(ctx.group), None, None
-
-
-class _ScaleOut(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return split_along_dim(y, dim, group)
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _allgather(grad, ctx.dim, ctx.group) / group_size(ctx.group), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
 
 
 def scale_batch(x: torch.Tensor, process_group: Any = None, dim: int = 0) -> torch.Tensor:
     """Every TP rank's batch concatenated along ``dim`` (see the module docstring for gradients)."""
     group = resolve_group(process_group)
-    return x if group_size(group) == 1 else _ScaleIn.apply(x, dim, group)  # type: ignore[no-any-return]
+    t = group_size(group)
+    # backward: this rank's slice of the gradient (gather's adjoint), times t
+    return x if t == 1 else gather_from_tp(_ScaleGrad.apply(x, float(t)), group, dim=dim)
 
 
 def unscale_batch(y: torch.Tensor, process_group: Any = None, dim: int = 0) -> torch.Tensor:
     """This rank's part of a scaled batch (see the module docstring for gradients)."""
     group = resolve_group(process_group)
-    return y if group_size(group) == 1 else _ScaleOut.apply(y, dim, group)  # type: ignore[no-any-return]
+    t = group_size(group)
+    # backward: every rank's gradient gathered (scatter's adjoint), divided by t
+    return y if t == 1 else scatter_to_tp(_ScaleGrad.apply(y, 1.0 / t), group, dim=dim)
 
 
 class BatchScaled(nn.Module):
