@@ -25,11 +25,7 @@ def _setup(kind: str = "gpt") -> tuple[Any, Any, Any, Any]:
     net.place(2, smp.set_partition)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = zoo.loss_of(kind, model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = zoo.train_step(kind)
 
     return smp, model, opt, train_step
 
@@ -82,11 +78,7 @@ def _setup_after_init() -> tuple[Any, Any, Any, Any]:
     net.place(2, smp.set_partition)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = zoo.loss_of("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = zoo.train_step("gpt")
 
     return smp, model, opt, train_step
 

@@ -109,11 +109,7 @@ def _train_gpt(pp: int, auto: bool = False) -> dict[str, Any]:
         net.place(pp, smp.set_partition)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = zoo.loss_of("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = zoo.train_step("gpt")
 
     losses = []
     for x, y in zoo.batches("gpt", 2):
@@ -164,11 +160,7 @@ def _train_llama(tp: int) -> tuple[list[float], tuple[int, ...]]:
     assert not any(p.is_meta for p in model.parameters())
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=labels).loss
-        model.backward(loss)
-        return loss
+    train_step = zoo.hf_train_step()
 
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 64, (2, 10), generator=g)

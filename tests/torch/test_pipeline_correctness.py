@@ -48,11 +48,7 @@ def _train(kind: str, pp: int, dp: int, microbatches: int) -> list[dict[str, Any
             net.place(pp, smp.set_partition)
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
-        @smp.step
-        def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = zoo.loss_of(kind, model(x), y)
-            model.backward(loss)
-            return loss
+        train_step = zoo.train_step(kind)
 
         losses = []
         for x, y in zoo.batches(kind, STEPS):

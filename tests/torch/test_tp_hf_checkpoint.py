@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.spawn import run_ranks
+from tests.torch import zoo
 from tests.torch.test_tp_hf import _batch, _model
 
 transformers = pytest.importorskip("transformers")
@@ -79,11 +80,7 @@ def _distributed_train_and_save(path: str, tp: int, pp: int, how: str, over: dic
             smp.set_partition(layer, 1)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
 
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=labels).loss
-        model.backward(loss)
-        return loss
+    train_step = zoo.hf_train_step()
 
     @smp.step
     def logits_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -216,11 +213,7 @@ def _smp_checkpoints(path: str, phase: str) -> Any:
     elif phase == "full":
         smp.resume_from_checkpoint(path, tag="full", partial=False)
 
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=labels).loss
-        model.backward(loss)
-        return loss
+    train_step = zoo.hf_train_step()
 
     ids, labels = _batch()
     losses = []

@@ -163,6 +163,32 @@ def loss_of(kind: str, out: Any, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
 
+def train_step(kind: str) -> Any:
+    """The SMP v1 training step the zoo tests run: ``kind``'s loss, ``model.backward``, the loss."""
+    import smp.torch as smp
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(kind, model(x), y)
+        model.backward(loss)
+        return loss
+
+    return step
+
+
+def hf_train_step() -> Any:
+    """The same for a Hugging Face causal LM called with ``labels`` (the loss it computes)."""
+    import smp.torch as smp
+
+    @smp.step
+    def step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss)
+        return loss
+
+    return step
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     return MODELS[kind]()
