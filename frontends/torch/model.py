@@ -25,6 +25,7 @@ from . import placement as partition_mod
 from .engine.engine import Engine, current_task
 from .engine.wire import Transport
 from .failure import wait
+from .nn.batch import scale_arguments, unscale_outputs
 from .nn.params import gather_named, is_tp_sharded, shard_packed
 from .runtime import runtime
 
@@ -202,8 +203,6 @@ class DistributedModel(nn.Module):
         if self._cfg.tensor_parallel_degree > 1 and not self._cfg.prescaled_batch:
             # Each TP rank brought its own batch: the model runs on the TP group's combined batch
             # and every rank gets its own samples' outputs back (reference 2.5; smp.torch.nn.batch).
-            from .nn.batch import scale_arguments, unscale_outputs
-
             args, kwargs, batch = scale_arguments(args, kwargs)
             return unscale_outputs(self.module(*args, **kwargs), batch)
         return self.module(*args, **kwargs)
