@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from smp.config.schema import ALIASES, KEYS, KEYS_BY_NAME, V2_ONLY_KEYS, Key
+from smp.config.rules import Reads, RuleContext, apply_rules
+from smp.config.schema import ALIASES, KEYS, KEYS_BY_NAME, Key
 from smp.errors import ConfigProblem, SMPConfigError
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -186,7 +187,15 @@ def _type_name(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-def _check_key(key: Key, value: Any, resolved: Mapping[str, Any], problems: list[ConfigProblem]) -> bool:
+def _derived_default(key: Key, resolved: Mapping[str, Any], failed: set[str]) -> tuple[Any, bool]:
+    """``key``'s default and whether it was computed from a key in ``failed`` (a stand-in value)."""
+    view = Reads(dict(resolved))
+    value = key.default_for(view)
+    return value, bool(view.read & failed)
+
+
+def _check_key(key: Key, value: Any, resolved: Mapping[str, Any], failed: set[str],
+               problems: list[ConfigProblem]) -> bool:
     if value is None and key.nullable:
         return True
     if type(value) not in key.types:
@@ -194,7 +203,7 @@ def _check_key(key: Key, value: Any, resolved: Mapping[str, Any], problems: list
             isinstance(value, bool) or bool in key.types) else ""
         problems.append(ConfigProblem(key.name, value, f"must be of type {_type_name(key.types)}, got "
                                       f"{type(value).__name__}{extra}", f"write e.g. {key.name}: "
-                                      f"{_example(key, value, resolved)!r}"))
+                                      f"{_example(key, value, resolved, failed)!r}"))
         return False
     if key.options is not None and value not in key.options:
         close = difflib.get_close_matches(str(value), [str(o) for o in key.options], n=1)
@@ -215,18 +224,23 @@ def _check_key(key: Key, value: Any, resolved: Mapping[str, Any], problems: list
     return True
 
 
-def _example(key: Key, value: Any, resolved: Mapping[str, Any]) -> Any:
-    """A value of the right type: the user's value converted when that is unambiguous, else the default."""
+def _example(key: Key, value: Any, resolved: Mapping[str, Any], failed: set[str]) -> Any:
+    """A value of the right type: the user's value converted when that is unambiguous, else the default.
+
+    A default derived from a key that failed (``active_microbatches`` from a bad ``microbatches``)
+    is not offered: it would be computed from a stand-in value.
+    """
     if key.types[0] is bool and value in (0, 1) and type(value) is int:
         return bool(value)
     if key.types[0] is int and type(value) is float and value.is_integer():
         return int(value)
     if key.types[0] is int and type(value) is str and value.strip().isdigit():
         return int(value)
-    default = key.default_for(resolved) if all(
-        n in resolved for n in ("pipeline_parallel_degree", "microbatches", "optimize")) or not callable(
-        key.default) else None
-    if default is not None:
+    try:
+        default, tainted = _derived_default(key, resolved, failed)
+    except KeyError:  # the default reads a key declared below this one: no default to offer
+        default, tainted = None, True
+    if default is not None and not tainted:
         return default
     if key.options:
         return key.options[0]
@@ -268,112 +282,28 @@ def resolve(
             problems.append(ConfigProblem(name, merged[name], f"unknown configuration key{_suggest(name)}",
                                           "remove it or fix its spelling (see `smp config` for every key)"))
 
+    # Keys whose value is not the user's valid one: rejected, given twice with different values, or
+    # defaulted from such a key. No rule or derived default may report a problem computed from them.
+    failed = {ALIASES.get(p.key, p.key) for p in problems}
     resolved: dict[str, Any] = {}
     given: set[str] = set()
     for key in KEYS:
         if key.name in merged:
             value = merged[key.name]
-            if _check_key(key, value, resolved, problems):
+            if _check_key(key, value, resolved, failed, problems):
                 resolved[key.name] = value
                 given.add(key.name)
                 continue
-        resolved[key.name] = key.default_for(resolved)
+            failed.add(key.name)
+        resolved[key.name], tainted = _derived_default(key, resolved, failed)
+        if tainted:
+            failed.add(key.name)
 
-    _cross_rules(resolved, given, problems, notes, world_size, framework)
+    ctx = RuleContext(frozenset(given), world_size, framework, problems, notes)
+    apply_rules(resolved, ctx, failed)
     if problems:
         raise SMPConfigError(problems)
     for key in KEYS:
         if key.status == "accepted" and key.name in given and resolved[key.name] != key.default_for(resolved):
             notes.append(f"{key.name}={resolved[key.name]!r} is accepted for compatibility and has no effect in smp")
     return Config(resolved, notes, world_size, frozenset(given))
-
-
-def _cross_rules(
-    cfg: dict[str, Any],
-    given: set[str],
-    problems: list[ConfigProblem],
-    notes: list[str],
-    world_size: int | None,
-    framework: str,
-) -> None:
-    """The rules between keys (reference sections 1.2, 1.3 and 12)."""
-    pp, tp, mb = cfg["pipeline_parallel_degree"], cfg["tensor_parallel_degree"], cfg["microbatches"]
-    add = problems.append
-    v2_keys = sorted(given & V2_ONLY_KEYS)
-    if v2_keys and "ddp" not in given and framework == "torch":
-        # SMP v2 always shards data parallelism (FSDP); there is no ddp key to turn it on.
-        cfg["ddp"] = True
-        notes.append(f"SMP v2 keys ({', '.join(v2_keys)}) given: data parallelism is on (ddp: True), as in SMP v2")
-
-    if world_size is not None and type(pp) is int and type(tp) is int:
-        if pp * tp > world_size or world_size % (pp * tp):
-            add(ConfigProblem(
-                "pipeline_parallel_degree", pp,
-                f"world size {world_size} must be a multiple of pipeline_parallel_degree x tensor_parallel_degree "
-                f"= {pp} x {tp} = {pp * tp}",
-                f"launch a multiple of {pp * tp} processes, or change the degrees so that pp x tp divides {world_size}"))
-        elif world_size // (pp * tp) > 1 and not (cfg["ddp"] or cfg["horovod"]):
-            dp_key = "horovod" if framework == "tensorflow" else "ddp"
-            add(ConfigProblem(
-                dp_key, cfg[dp_key],
-                f"world size {world_size} = pp {pp} x tp {tp} x rdp {world_size // (pp * tp)}: more than one "
-                "model replica needs data parallelism", f"set {dp_key}: True (or launch {pp * tp} processes)"))
-    if tp > 1 and not cfg["ddp"] and framework == "torch":
-        add(ConfigProblem("tensor_parallel_degree", tp, "tensor parallelism requires ddp (as in SMP v1)",
-                          "set ddp: True"))
-    if tp > 1 and framework == "tensorflow":
-        add(ConfigProblem("tensor_parallel_degree", tp, "the TensorFlow frontend has no tensor parallelism",
-                          "set tensor_parallel_degree: 1"))
-    if cfg["ddp"] and cfg["horovod"]:
-        add(ConfigProblem("horovod", True, "ddp and horovod cannot both be on", "keep one of them"))
-    if cfg["fp16"] and cfg["bf16"]:
-        add(ConfigProblem("bf16", True, "fp16 and bf16 cannot both be on", "keep one of them"))
-    if cfg["bf16"] and cfg["fp16_params"]:
-        add(ConfigProblem("bf16", True, "bf16 requires fp16_params: False", "remove fp16_params"))
-    if "fp16_params" in given and cfg["fp16_params"]:
-        notes.append("fp16_params is deprecated; use fp16")
-    dp_part = cfg["default_partition"]
-    if dp_part is not None and type(pp) is int and dp_part >= pp:
-        add(ConfigProblem("default_partition", dp_part, f"must be < pipeline_parallel_degree ({pp})",
-                          f"use a partition index in 0..{pp - 1}"))
-    if not cfg["auto_partition"] and dp_part is None:
-        add(ConfigProblem("default_partition", None, "auto_partition: False requires default_partition",
-                          "add default_partition: 0 (the partition of modules you do not place)"))
-    if "active_microbatches" in given and type(mb) is int and cfg["active_microbatches"] > mb:
-        add(ConfigProblem("active_microbatches", cfg["active_microbatches"],
-                          f"must be <= microbatches ({mb})", f"use a value in 1..{mb}"))
-    if cfg["pipeline"] == "simple" and cfg["active_microbatches"] < mb:
-        # Reference section 12, conflict 12: SMP v1's code runs `interleaved` in this case.
-        notes.append(f"pipeline 'simple' with active_microbatches={cfg['active_microbatches']} < microbatches={mb} "
-                     "runs as 'interleaved', as SMP v1 does; set active_microbatches to microbatches for GPipe order")
-        cfg["pipeline"] = "interleaved"
-    for key in ("ddp_port",):
-        if key in given and cfg[key] is not None and not cfg["ddp"]:
-            add(ConfigProblem(key, cfg[key], "needs ddp: True", "set ddp: True or remove the key"))
-    if "ddp_dist_backend" in given and cfg["ddp_dist_backend"] != "auto" and not cfg["ddp"]:
-        add(ConfigProblem("ddp_dist_backend", cfg["ddp_dist_backend"], "needs ddp: True",
-                          "set ddp: True or remove the key"))
-    sdp = cfg["sharded_data_parallel_degree"]
-    if world_size is not None and sdp > 1 and type(pp) is int and world_size % (pp * tp) == 0:
-        dp = world_size // pp
-        if dp % sdp:
-            add(ConfigProblem("sharded_data_parallel_degree", sdp, f"must divide the DP degree ({dp})",
-                              f"use a divisor of {dp}"))
-    if cfg["prescaled_batch"] and cfg["optimize"] != "speed":
-        add(ConfigProblem("prescaled_batch", True, "requires optimize: 'speed' (as in SMP v1)",
-                          "set optimize: 'speed' or prescaled_batch: False"))
-    if cfg["herring"] and (cfg["ddp"] or cfg["horovod"]):
-        add(ConfigProblem("herring", True, "requires ddp and horovod off", "turn herring off"))
-    if cfg["_fp32_grad_accumulation"] and not (cfg["fp16"] or cfg["fp16_params"]):
-        add(ConfigProblem("_fp32_grad_accumulation", True, "requires fp16 or fp16_params", "turn it off"))
-    if cfg["checkpoint_attentions"] and type(pp) is int and pp > 1:
-        notes.append("checkpoint_attentions is turned off because pipeline_parallel_degree > 1 (as in SMP v1)")
-        cfg["checkpoint_attentions"] = False
-    vs = cfg["virtual_stages"]
-    if type(vs) is int and vs > 1 and cfg["pipeline"] not in ("interleaved_1f1b", "zb_v", "gpipe", "1f1b",
-                                                              "_only_forward"):
-        add(ConfigProblem("virtual_stages", vs, f"pipeline {cfg['pipeline']!r} runs one stage per rank",
-                          "use pipeline: 'interleaved_1f1b' or 'zb_v' with virtual stages, or virtual_stages: 1"))
-    if cfg["pipeline"] == "zb_v" and vs != 2:
-        add(ConfigProblem("virtual_stages", vs, "pipeline 'zb_v' places exactly 2 chunks per rank in a V",
-                          "set virtual_stages: 2"))

@@ -195,3 +195,79 @@ def test_pipeline_section_caps_only_smp_v1_schedules_by_default() -> None:
     assert resolve({**base, "pipeline": "interleaved_1f1b"}, environ={}).pipeline_section().active_microbatches is None
     given = resolve({**base, "pipeline": "1f1b", "active_microbatches": 5}, environ={})
     assert given.pipeline_section().active_microbatches == 5
+
+
+# Valid configs (at their world size) where a stand-in default for any one key would trip a
+# cross-key rule: pp 1 at world 2 needs ddp, default pipeline 'interleaved' refuses virtual
+# stages, default virtual_stages 1 fails zb_v, default microbatches 1 is below active_microbatches...
+TRIPWIRES: list[tuple[dict[str, Any], int | None]] = [
+    ({"pipeline_parallel_degree": 2, "microbatches": 4, "active_microbatches": 3, "default_partition": 1}, 2),
+    ({"tensor_parallel_degree": 2, "ddp": True}, 2),
+    ({"pipeline_parallel_degree": 2, "pipeline": "1f1b", "virtual_stages": 2}, 2),
+    ({"pipeline": "zb_v", "virtual_stages": 2}, None),
+    ({"auto_partition": False, "default_partition": 0}, None),
+    ({"ddp": True, "ddp_port": 29500, "ddp_dist_backend": "gloo"}, None),
+    ({"fp16": True, "_fp32_grad_accumulation": True}, None),
+    ({"partitions": 2, "microbatches": 2, "sharded_data_parallel_degree": 2, "ddp": True}, 8),
+    *[(config, world) for config, world, framework in VALID if framework == "torch"],
+]
+
+
+def _wrong_type(value: Any) -> Any:
+    """A value of another JSON type that a user could plausibly write: 2 -> "2", True -> "True", "x" -> 1."""
+    return 1 if isinstance(value, str) else str(value)
+
+
+def _problem_keys(config: dict[str, Any], world: int | None) -> list[str]:
+    with pytest.raises(SMPConfigError) as info:
+        resolve(config, world_size=world, environ={})
+    return [p.key for p in info.value.problems]
+
+
+@pytest.mark.parametrize("config,world", TRIPWIRES)
+def test_a_bad_typed_key_reports_only_itself(config: dict[str, Any], world: int | None) -> None:
+    resolve(config, world_size=world, environ={})  # valid as given
+    for name, value in config.items():
+        canonical = "pipeline_parallel_degree" if name == "partitions" else name
+        assert _problem_keys({**config, name: _wrong_type(value)}, world) == [canonical], name
+
+
+@pytest.mark.parametrize("config,world", TRIPWIRES)
+def test_several_bad_typed_keys_report_only_themselves(config: dict[str, Any], world: int | None) -> None:
+    names = list(config)
+    canonical = ["pipeline_parallel_degree" if n == "partitions" else n for n in names]
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            bad = {**config, names[i]: _wrong_type(config[names[i]]), names[j]: _wrong_type(config[names[j]])}
+            assert sorted(_problem_keys(bad, world)) == sorted([canonical[i], canonical[j]]), (names[i], names[j])
+    every = {name: _wrong_type(value) for name, value in config.items()}
+    assert sorted(_problem_keys(every, world)) == sorted(canonical)
+
+
+def test_the_issue_example_reports_the_type_error_only() -> None:
+    # Before: also "ddp=False: world size 4 = pp 1 x tp 1 x rdp 4 ... needs data parallelism".
+    with pytest.raises(SMPConfigError) as info:
+        resolve({"pipeline_parallel_degree": "2"}, world_size=4, environ={})
+    assert [str(p) for p in info.value.problems] == [
+        "pipeline_parallel_degree='2': must be of type int, got str. Fix: write e.g. pipeline_parallel_degree: 2"]
+
+
+def test_a_key_given_twice_is_not_used_by_rules() -> None:
+    # partitions=2 vs pipeline_parallel_degree=4 is the problem; "default_partition 3 >= 2" is not.
+    keys = _problem_keys({"partitions": 2, "pipeline_parallel_degree": 4, "default_partition": 3}, None)
+    assert keys == ["pipeline_parallel_degree"]
+
+
+def test_a_default_derived_from_a_bad_key_is_not_offered_as_the_fix() -> None:
+    with pytest.raises(SMPConfigError) as info:
+        resolve({"pipeline_parallel_degree": "4", "microbatches": 8, "active_microbatches": 2.5}, environ={})
+    fix = {p.key: p.fix for p in info.value.problems}
+    assert fix["pipeline_parallel_degree"] == "write e.g. pipeline_parallel_degree: 4"
+    # pp + 2 from the stand-in pp=1 would say 3, a number the user's config does not imply.
+    assert fix["active_microbatches"] == "write e.g. active_microbatches: 1"
+
+
+def test_rules_still_fire_on_valid_values_next_to_a_bad_key() -> None:
+    # A rule that reads only valid keys reports as before, whatever else failed.
+    keys = _problem_keys({"microbatches": "4", "fp16": True, "bf16": True, "tensor_parallel_degree": 2}, 2)
+    assert sorted(keys) == ["bf16", "microbatches", "tensor_parallel_degree"]
