@@ -29,6 +29,7 @@ Cost model (one tensor-parallel rank's share; T = micro_batch_size x seq_len tok
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import json
 import math
@@ -71,6 +72,7 @@ def parse_size(text: str) -> int:
 
 def load_config(spec: str) -> Any:
     """A transformers config from a JSON file path or inline JSON text (never from the hub)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     if spec.lstrip().startswith("{"):
@@ -85,7 +87,11 @@ def load_config(spec: str) -> Any:
         )
     if "model_type" not in data:
         raise SMPError(f"--hf-config: the config has no 'model_type' (keys: {sorted(data)[:8]} ...)")
-    return AutoConfig.for_model(**{k: v for k, v in data.items() if not k.startswith("_")})
+    try:
+        return AutoConfig.for_model(**{k: v for k, v in data.items() if not k.startswith("_")})
+    except (StrictDataclassError, TypeError, ValueError) as err:  # e.g. "num_key_value_heads": null
+        raise SMPError(f"--hf-config: transformers rejects the config: {err}. Fix: correct that field, or remove it "
+                       "to take the model's default") from err
 
 
 def _trace(model: nn.Module, batch: int, seq: int) -> tuple[list[str], dict[str, int]]:
@@ -317,8 +323,11 @@ def plan_hf_model(
 
     start = time.perf_counter()
     seq = seq_len or min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)
+    # Built in bf16 whatever the config's dtype (or its absence: fp32): the costs come from
+    # dtype_bytes, not from the built tensors, and the meta kernel of the grouped expert matmul
+    # (Mixtral) accepts bf16 inputs only. A copy, because from_config writes the dtype back.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.bfloat16)
     tree, totals = estimate_tree(model, cfg, batch=micro_batch_size, seq=seq, tp=tp, dtype_bytes=dtype_bytes,
                                  recompute=recompute, split_layers=split_layers)
     weight = memory_weight_for(optimize) if memory_weight is None else memory_weight

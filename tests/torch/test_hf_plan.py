@@ -138,3 +138,47 @@ def test_parse_size() -> None:
     assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
     with pytest.raises(Exception, match="expected a size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("dtype", [None, "float32", "float16"])
+def test_mixtral_plans_whatever_its_dtype(dtype: str | None, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 12 item 6: without torch_dtype the model was built in fp32 and the meta kernel of
+    # the grouped expert matmul raised "Expected inputs of BF16 type".
+    with open(os.path.join(CONFIGS, "mixtral-8x7b.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    del data["torch_dtype"]
+    if dtype is not None:
+        data["dtype"] = dtype
+    data.update(num_hidden_layers=4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert main(["--hf-config", str(path), "--pp", "2", "--microbatches", "4", "--seq-len", "256", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "MixtralForCausalLM" and len(out["ranks"]) == 2
+    cfg = load_config(str(path))
+    before = cfg.to_dict()
+    plan_hf_model(cfg, pp=2, seq_len=64)
+    assert cfg.to_dict() == before, "planning must not rewrite the caller's config"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_every_optional_field_may_be_missing(name: str) -> None:
+    with open(os.path.join(CONFIGS, f"{name}.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    small = {"num_hidden_layers": 2}
+    failures = []
+    for key in [k for k in data if k != "model_type"]:
+        trimmed = {k: v for k, v in {**data, **small}.items() if k != key}
+        try:
+            result = plan_hf_model(load_config(json.dumps(trimmed)), pp=2, microbatches=2, seq_len=64)
+            assert result.params > 0 and len(result.memory) == 2
+        except Exception as err:  # collect every field that breaks, not only the first
+            failures.append(f"{key}: {type(err).__name__}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_null_field_transformers_rejects_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    config = json.dumps({"model_type": "mistral", "num_key_value_heads": None})
+    assert main(["--hf-config", config, "--pp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "num_key_value_heads" in err and "Fix:" in err and "Traceback" not in err
