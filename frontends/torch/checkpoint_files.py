@@ -21,142 +21,145 @@ call this module. Nothing here communicates.
         fp16_states_<rankinfo>.pt  when fp16 master states are given
         user_content.pt            written once (rank 0)
         smp_config.pt              the config dict plus "smp_version", written once (rank 0)
+        smp_manifest.json          the save's id and every file's size and SHA-256 (smp only; SMP v1
+                                   readers ignore it, and checkpoints without one load unchecked)
       <tag>                        full model (partial=False)
       user_content_<tag>           full user content (partial=False)
 
 Note [checkpoint commit order]: every file is written by `atomic_save` (temp file in the same
-directory, flush, fsync, ``os.replace``, fsync of the directory), so a file name either holds a
-complete old version or a complete new one. A partial save of tag N goes in three phases::
+directory, flush, fsync, ``os.replace``, fsync of the directory), and a partial save never writes
+into a ``<tag>_partial`` directory that exists: it is staged in a directory of its own and swapped
+in whole (smp/checkpoint/manifest.py, Note [save directory commit]). A partial save of tag N::
 
-    rank 0      prepare_partial_checkpoint(path, N)      mkdir; if N is listed in newest, unlist it
-    -- barrier --
-    every rank  write_partial_checkpoint(path, N, ...)   rank files; rank 0 also the shared files
-    -- barrier --
-    rank 0      update_newest(path, N, keep, expected_rankinfos=[...])
-                  checks that every expected file of N exists, rewrites newest (N appended)
-                  atomically, and only then deletes the _partial dirs of tags beyond ``keep``
+    rank 0      save_id = prepare_partial_checkpoint(path, N)
+                  cleans what interrupted saves left; creates .N_partial.<save_id>.smp-staging/
+    -- every rank gets save_id (a collective) --
+    every rank  write_partial_checkpoint(path, N, ..., save_id=save_id) -> FileRecords
+                  rank files; rank 0 also the shared files; all into the staging directory
+    -- rank 0 gets every rank's records (a collective) --
+    rank 0      commit_partial_checkpoint(path, N, save_id, records, keep, expected_rankinfos=[...])
+                  checks every expected file, writes the manifest, swaps the staging directory in as
+                  N_partial, rewrites newest (N last) atomically, then deletes the replaced N_partial
+                  and the _partial dirs of tags beyond ``keep``
 
-``newest`` changes only in the last phase, after every file of N is durable, so a process killed at
-any earlier point leaves ``newest`` naming N-1, whose files were not touched. A kill during
-pruning leaves extra old directories, never a missing one that ``newest`` names. Re-saving a tag
-that already exists unlists it first, so its files are never half-rewritten while listed.
+A process killed at any point before the swap leaves every committed checkpoint, N included when
+it is saved again, exactly as it was, and ``newest`` unchanged. A kill during pruning leaves extra
+old directories, never a missing one that ``newest`` names. A resume checks each file it reads
+against the manifest, so a file that is not the one its save wrote is refused by name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import secrets
 import shutil
-from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from smp import __version__ as _smp_version
+from smp.checkpoint import (
+    MANIFEST,
+    TEMP_SUFFIX,
+    FileRecord,
+    Manifest,
+    atomic_write,
+    clean_leftovers,
+    commit_directory,
+    committed_directory,
+    makedirs,
+    new_save_id,
+    read_manifest,
+    staging_directory,
+    verify_file,
+    write_manifest,
+)
 from smp.errors import SMPCheckpointError
 
 __all__ = [
-    "NEWEST", "atomic_save", "atomic_write_text", "check_tag", "detect_rankinfo", "find_partial", "full_model_path",
-    "full_user_content_path", "partial_candidates", "partial_dir", "partial_name",
-    "prepare_partial_checkpoint", "rank_info", "read_full_checkpoint", "read_newest",
-    "read_partial_checkpoint", "update_newest", "write_full_checkpoint", "write_partial_checkpoint",
+    "NEWEST", "TEMP_SUFFIX", "atomic_save", "atomic_write_text", "check_tag", "commit_partial_checkpoint", "detect_rankinfo",
+    "find_partial", "full_model_path", "full_user_content_path", "load_file", "partial_candidates", "partial_dir",
+    "partial_name", "prepare_partial_checkpoint", "rank_info", "read_full_checkpoint", "read_newest",
+    "read_partial_checkpoint", "write_full_checkpoint", "write_partial_checkpoint",
 ]
 
 logger = logging.getLogger("smp.checkpoint")
 
 NEWEST = "newest"
-TEMP_SUFFIX = ".smp-tmp"
 USER_CONTENT = "user_content.pt"
 SMP_CONFIG = "smp_config.pt"
 _RANKINFO = re.compile(r"^\d+_\d+(_\d+)?$")
 
 
 # ----------------------------------------------------------------------------------------------
-# Atomic writes
+# Atomic writes and checked reads
 
 
-def _fsync_dir(dirpath: str) -> None:
-    """Make a rename or a new entry in ``dirpath`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(dirpath, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    # Same directory, so os.replace is a rename within one file system; the name is cut so that a long
-    # file name still leaves room for the suffix.
-    tmp = os.path.join(directory, f".{os.path.basename(path)[:120]}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    # os.open with mode 0o666 gives the permissions a plain open() would (umask applies).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str], **torch_save_kwargs: Any) -> None:
-    """``torch.save(obj, path)`` that never leaves ``path`` half-written.
+def atomic_save(obj: Any, path: str | os.PathLike[str], **torch_save_kwargs: Any) -> FileRecord:
+    """``torch.save(obj, path)`` that never leaves ``path`` half-written; returns what it wrote.
 
     Writes a temp file in the same directory, flushes and fsyncs it, renames it over ``path``
     (``os.replace``, atomic on POSIX and Windows) and fsyncs the directory. An exception or a killed
     process at any point leaves the previous file at ``path`` intact (a kill may leave a
-    ``.<name>.<pid>.<hex>.smp-tmp`` file behind; `prepare_partial_checkpoint` removes those).
+    ``.<name>.<pid>.<hex>.smp-tmp`` file behind; the next `prepare_partial_checkpoint` removes those).
 
     Args:
         obj: anything ``torch.save`` accepts.
         path: the destination; its directory must exist.
         **torch_save_kwargs: passed to ``torch.save`` (``pickle_module``, ``pickle_protocol``).
 
+    Returns:
+        The file's size and SHA-256 (for a save's manifest).
+
     Example:
         >>> import tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "model.pt")
-        >>> atomic_save({"w": torch.ones(2)}, p)
+        >>> _ = atomic_save({"w": torch.ones(2)}, p)
         >>> torch.load(p)["w"].tolist()
         [1.0, 1.0]
     """
-    _atomic_write(path, lambda f: torch.save(obj, f, **torch_save_kwargs))
+    return atomic_write(path, lambda f: torch.save(obj, f, **torch_save_kwargs))
 
 
-def atomic_write_text(text: str, path: str | os.PathLike[str]) -> None:
+def atomic_write_text(text: str, path: str | os.PathLike[str]) -> FileRecord:
     """Write ``text`` (UTF-8) to ``path`` with the same guarantee as `atomic_save`.
 
     Example:
         >>> import tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "newest")
-        >>> atomic_write_text("step_1\\n", p)
+        >>> _ = atomic_write_text("step_1\\n", p)
         >>> open(p).read()
         'step_1\\n'
     """
     data = text.encode("utf-8")
-
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    _atomic_write(path, write)
+    return atomic_write(path, lambda f: f.write(data))
 
 
-def _load(path: str, what: str, map_location: Any, weights_only: bool) -> Any:
+def load_file(path: str, what: str, fix: str, manifest: Manifest | None = None, **torch_load_kwargs: Any) -> Any:
+    """``torch.load(path)`` whose every failure is an `SMPCheckpointError` naming the file, what is
+    wrong and ``fix`` (the caller's advice: which other checkpoint to use).
+
+    With a ``manifest`` the file is first checked against it (size, then SHA-256), so a truncated or
+    replaced file is refused before unpickling, and an unpickling error of an intact file says so.
+    """
     if not os.path.isfile(path):
-        raise SMPCheckpointError(f"cannot read the {what}: {path} does not exist")
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+        raise SMPCheckpointError(f"cannot read the {what}: {path} does not exist. Fix: {fix}")
+    if manifest is not None:
+        try:
+            verify_file(path, manifest)
+        except SMPCheckpointError as e:
+            raise SMPCheckpointError(f"cannot read the {what}: {e}. Fix: {fix}") from None
+    try:
+        return torch.load(path, **torch_load_kwargs)
+    except Exception as e:  # noqa: BLE001 - every reader failure becomes one clear error
+        why = (f"it is the file its save wrote (checked against {MANIFEST}), but torch.load fails: "
+               f"the saved objects need code this process lacks (import the classes they use)"
+               if manifest is not None else
+               "the file is damaged (truncated, overwritten or not written by torch.save), or the saved "
+               "objects need code this process lacks")
+        raise SMPCheckpointError(f"cannot read the {what} {path}: {type(e).__name__}: {e}. {why}. Fix: {fix}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ def find_partial(f: str, pp_rank: int, tp_rank: int, rdp_rank: int | None = None
     Example:
         >>> import tempfile
         >>> f = os.path.join(tempfile.mkdtemp(), "model")
-        >>> atomic_save({}, partial_name(f, 0, 1))
+        >>> _ = atomic_save({}, partial_name(f, 0, 1))
         >>> find_partial(f, 0, 1, rdp_rank=2) == partial_name(f, 0, 1)
         True
     """
@@ -286,24 +289,6 @@ def full_user_content_path(path: str | os.PathLike[str], tag: str) -> str:
     return os.path.join(os.fspath(path), f"user_content_{check_tag(tag)}")
 
 
-def _makedirs(directory: str) -> None:
-    """``os.makedirs`` that also makes the new directory entries durable (fsync of each new one's parent)."""
-    directory = os.path.abspath(directory)
-    created: list[str] = []
-    d = directory
-    while not os.path.isdir(d):
-        created.append(d)
-        parent = os.path.dirname(d)
-        if parent == d:
-            break
-        d = parent
-    if not created:
-        return
-    os.makedirs(directory, exist_ok=True)
-    for d in reversed(created):
-        _fsync_dir(os.path.dirname(d))
-
-
 def read_newest(path: str | os.PathLike[str]) -> list[str]:
     """The tags listed in ``path/newest``, oldest first; [] when the file does not exist."""
     newest = os.path.join(os.fspath(path), NEWEST)
@@ -318,29 +303,55 @@ def _write_newest(path: str, tags: Sequence[str]) -> None:
     atomic_write_text("".join(f"{t}\n" for t in tags), os.path.join(path, NEWEST))
 
 
-def prepare_partial_checkpoint(path: str | os.PathLike[str], tag: str) -> str:
-    """Phase 1 of a partial save (rank 0, before a barrier): create ``path/<tag>_partial``.
+def _resume_fix(path: str, tag: str | None = None) -> str:
+    """The advice of a resume error: the other committed tags, or a fresh start."""
+    others = [t for t in read_newest(path) if t != tag]
+    if others:
+        return (f"resume another checkpoint of {path} (listed in {NEWEST}: {others}) with "
+                f"resume_from_checkpoint(path, tag=...), or restore the file from a copy")
+    return f"restore the file from a copy, or start without resuming ({path} lists no other checkpoint)"
 
-    If ``tag`` is already listed in ``newest`` (the same tag saved again), it is unlisted first, so
-    that its files can be rewritten without ``newest`` naming a half-rewritten checkpoint (see Note
-    [checkpoint commit order]). Temp files left in the directory by a killed save are removed.
+
+def _note_unlisted(path: str, tags: Sequence[str]) -> None:
+    """Say what the ``_partial`` directories that ``newest`` does not list are (kept: they may be wanted)."""
+    try:
+        names = sorted(os.listdir(path))
+    except FileNotFoundError:
+        return
+    for n in names:
+        if not n.endswith("_partial") or n.startswith(".") or n[: -len("_partial")] in tags:
+            continue
+        d = os.path.join(path, n)
+        if not os.path.isdir(d):
+            continue
+        if os.path.isfile(os.path.join(d, MANIFEST)):
+            what = ("a complete save whose commit to newest did not finish; resume it with "
+                    f"tag={n[: -len('_partial')]!r}")
+        else:
+            what = ("a save by an earlier smp (or SMP v1) that did not finish or was unlisted by hand; it is "
+                    "not checked and may be incomplete")
+        logger.warning("%s is not listed in %s: %s. Delete it if it is not needed", d, os.path.join(path, NEWEST), what)
+
+
+def prepare_partial_checkpoint(path: str | os.PathLike[str], tag: str) -> str:
+    """Phase 1 of a partial save (rank 0, before the other ranks write): stage a new save of ``tag``.
+
+    Cleans up what interrupted saves left in ``path`` (staging directories, temp files; a
+    ``<tag>_partial`` moved aside by an interrupted commit is put back), says what unlisted
+    ``_partial`` directories are, and creates the staging directory of a new save id. Nothing that
+    is committed is touched (Note [checkpoint commit order]), whether or not ``tag`` exists.
 
     Returns:
-        The ``_partial`` directory.
+        The save id; every writing rank passes it to `write_partial_checkpoint`.
     """
     path = os.fspath(path)
-    directory = partial_dir(path, tag)
-    _makedirs(directory)
-    tags = read_newest(path)
-    if tag in tags:
-        logger.info("checkpoint tag %r exists in %s; unlisting it from %s while it is rewritten",
-                    tag, path, NEWEST)
-        _write_newest(path, [t for t in tags if t != tag])
-    for name in os.listdir(directory):
-        if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-    return directory
+    check_tag(tag)
+    makedirs(path)
+    clean_leftovers(path)
+    _note_unlisted(path, read_newest(path) + [tag])
+    save_id = new_save_id()
+    makedirs(staging_directory(path, f"{tag}_partial", save_id))
+    return save_id
 
 
 def write_partial_checkpoint(
@@ -353,17 +364,18 @@ def write_partial_checkpoint(
     config: Mapping[str, Any] | None,
     write_shared: bool,
     *,
+    save_id: str,
     fp16_states: Any = None,
     optimizer_rankinfo: str | None = None,
     smp_version: str | None = None,
-) -> str:
+) -> dict[str, FileRecord]:
     """Phase 2 of a partial save (every writing rank): this rank's files, and the shared ones on rank 0.
 
     Writes ``model_<rankinfo>.pt`` (unless ``model_state`` is None), ``optimizer_<rankinfo>.pt``
     (unless ``optimizer_state`` is None) and ``fp16_states_<rankinfo>.pt`` (when given). With
     ``write_shared`` it also writes ``user_content.pt`` and ``smp_config.pt``
-    (``{**config, "smp_version": ...}``). Does not touch ``newest``: call `update_newest` after every
-    rank has written (Note [checkpoint commit order]).
+    (``{**config, "smp_version": ...}``). Everything goes into the staging directory of
+    ``save_id``; nothing is visible under ``<tag>_partial`` until `commit_partial_checkpoint`.
 
     Args:
         path: the checkpoint directory.
@@ -374,91 +386,110 @@ def write_partial_checkpoint(
         user_content: anything picklable; written only with ``write_shared``.
         config: the smp configuration as a dict; written only with ``write_shared``.
         write_shared: True on exactly one rank (rank 0).
+        save_id: what `prepare_partial_checkpoint` returned on rank 0.
         fp16_states: FP16 master states of this rank, or None.
         optimizer_rankinfo: the optimizer file's rankinfo when it differs from the model's
             (sharded optimizer state: ``"<pp>_<tp>_<rdp>"`` next to ``"<pp>_<tp>"`` model files).
         smp_version: recorded in ``smp_config.pt``; defaults to ``smp.__version__``.
 
     Returns:
-        The ``_partial`` directory.
+        File name -> `FileRecord` of what this rank wrote; rank 0 needs every rank's for the commit.
 
     Example:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
-        >>> _ = prepare_partial_checkpoint(d, "step_1")
-        >>> _ = write_partial_checkpoint(d, "step_1", rank_info(0, 0), {"w": torch.ones(1)}, {},
-        ...                              {"epoch": 1}, {"microbatches": 2}, write_shared=True)
-        >>> update_newest(d, "step_1", keep=None, expected_rankinfos=["0_0"])
+        >>> sid = prepare_partial_checkpoint(d, "step_1")
+        >>> rec = write_partial_checkpoint(d, "step_1", rank_info(0, 0), {"w": torch.ones(1)}, {},
+        ...                                {"epoch": 1}, {"microbatches": 2}, write_shared=True, save_id=sid)
+        >>> commit_partial_checkpoint(d, "step_1", sid, rec, expected_rankinfos=["0_0"])
         ['step_1']
         >>> read_partial_checkpoint(d, None, "0_0")["user_content"]
         {'epoch': 1}
     """
-    directory = partial_dir(path, tag)
+    path = os.fspath(path)
     _check_rankinfo(rankinfo)
     opt_info = _check_rankinfo(optimizer_rankinfo) if optimizer_rankinfo is not None else rankinfo
-    _makedirs(directory)
+    directory = staging_directory(path, f"{check_tag(tag)}_partial", save_id)
+    if not os.path.isdir(directory):
+        raise SMPCheckpointError(
+            f"cannot write checkpoint {tag!r}: its staging directory {directory} does not exist on this rank. Fix: "
+            f"rank 0 calls prepare_partial_checkpoint(path, tag) first and every rank passes the save_id it "
+            f"returns; every rank must see {path} on one shared file system")
+    files: dict[str, Any] = {}
     if model_state is not None:
-        atomic_save(model_state, os.path.join(directory, f"model_{rankinfo}.pt"))
+        files[f"model_{rankinfo}.pt"] = model_state
     if optimizer_state is not None:
-        atomic_save(optimizer_state, os.path.join(directory, f"optimizer_{opt_info}.pt"))
+        files[f"optimizer_{opt_info}.pt"] = optimizer_state
     if fp16_states is not None:
-        atomic_save(fp16_states, os.path.join(directory, f"fp16_states_{rankinfo}.pt"))
+        files[f"fp16_states_{rankinfo}.pt"] = fp16_states
     if write_shared:
         if config is not None and not isinstance(config, Mapping):
             raise SMPCheckpointError(f"config={type(config).__name__}: must be a dict of smp config keys. "
                                      f"Fix: pass the resolved configuration as a dict")
         cfg = dict(config or {})
         cfg["smp_version"] = smp_version if smp_version is not None else _smp_version
-        atomic_save(user_content, os.path.join(directory, USER_CONTENT))
-        atomic_save(cfg, os.path.join(directory, SMP_CONFIG))
-    return directory
+        files[USER_CONTENT] = user_content
+        files[SMP_CONFIG] = cfg
+    return {name: atomic_save(obj, os.path.join(directory, name)) for name, obj in files.items()}
 
 
-def update_newest(
+def commit_partial_checkpoint(
     path: str | os.PathLike[str],
     tag: str,
+    save_id: str,
+    records: Mapping[str, FileRecord],
     keep: int | None = None,
     *,
     expected_rankinfos: Sequence[str] | None = None,
 ) -> list[str]:
-    """Phase 3 of a partial save (rank 0, after every rank wrote): commit ``tag`` in ``newest``.
+    """Phase 3 of a partial save (rank 0, after every rank wrote): make save ``save_id`` the checkpoint ``tag``.
 
     Checks that the shared files (and, when ``expected_rankinfos`` is given, ``model_<r>.pt`` for
-    each) exist, then rewrites ``newest`` atomically with ``tag`` last, and only then deletes the
-    ``_partial`` directories of the tags beyond the newest ``keep`` (``num_kept_partial_checkpoints``;
-    None or <= 0 keeps all). A failure to delete an old directory is logged, not raised: the save
-    itself succeeded.
+    each) were written and are on disk as written, writes the manifest, swaps the staging directory
+    in as ``<tag>_partial``, rewrites ``newest`` atomically with ``tag`` last, and only then deletes
+    the replaced ``<tag>_partial`` and the ``_partial`` directories of the tags beyond the newest
+    ``keep`` (``num_kept_partial_checkpoints``; None or <= 0 keeps all). A failure to delete an old
+    directory is logged, not raised: the save itself succeeded.
+
+    Args:
+        records: every rank's `write_partial_checkpoint` result, merged.
 
     Returns:
         The tags now listed in ``newest``, oldest first.
 
     Raises:
-        SMPCheckpointError: a file of ``tag`` is missing; ``newest`` is left unchanged.
+        SMPCheckpointError: a file of the save is missing or differs from its record; nothing committed
+            is changed (the staging directory is removed by the next save).
     """
     path = os.fspath(path)
-    directory = partial_dir(path, tag)
-    expected = [os.path.join(directory, USER_CONTENT), os.path.join(directory, SMP_CONFIG)]
-    expected += [os.path.join(directory, f"model_{_check_rankinfo(r)}.pt") for r in expected_rankinfos or ()]
-    missing = [p for p in expected if not os.path.isfile(p)]
-    if missing:
+    name = f"{check_tag(tag)}_partial"
+    staging = staging_directory(path, name, save_id)
+    expected = [USER_CONTENT, SMP_CONFIG] + [f"model_{_check_rankinfo(r)}.pt" for r in expected_rankinfos or ()]
+    missing = [n for n in expected if n not in records or not os.path.isfile(os.path.join(staging, n))]
+    wrong = [n for n, r in records.items()
+             if n not in missing and (not os.path.isfile(os.path.join(staging, n))
+                                      or os.path.getsize(os.path.join(staging, n)) != r.size)]
+    if missing or wrong:
         raise SMPCheckpointError(
-            f"checkpoint {tag!r} in {path} is incomplete, so {NEWEST} still names the previous one: missing "
-            f"{missing}. Fix: make sure every rank called write_partial_checkpoint (rank 0 with "
-            f"write_shared=True) and returned before update_newest")
+            f"checkpoint {tag!r} in {path} is incomplete, so nothing was committed ({NEWEST} still lists "
+            f"{read_newest(path)}): missing {missing}, not as written {wrong} in {staging}. Fix: every rank calls "
+            f"write_partial_checkpoint with the same save_id (rank 0 with write_shared=True) on a file system "
+            f"every rank shares, before commit_partial_checkpoint")
+    write_manifest(staging, Manifest(save_id=save_id, tag=tag, files=dict(records)))
+    replaced = commit_directory(path, name, staging, save_id)
     tags = [t for t in read_newest(path) if t != tag] + [tag]
     pruned: list[str] = []
     if keep is not None and keep > 0 and len(tags) > keep:
         pruned, tags = tags[:-keep], tags[-keep:]
     _write_newest(path, tags)
-    for old in pruned:
-        old_dir = partial_dir(path, old)
+    for old in ([replaced] if replaced else []) + [partial_dir(path, t) for t in pruned]:
         try:
-            shutil.rmtree(old_dir)
+            shutil.rmtree(old)
         except FileNotFoundError:
             pass
         except OSError as e:
             logger.warning("could not delete old partial checkpoint %s (num_kept_partial_checkpoints=%s): %s",
-                           old_dir, keep, e)
+                           old, keep, e)
     return tags
 
 
@@ -472,6 +503,11 @@ def _resolve_tag(path: str, tag: str | None) -> str:
         raise SMPCheckpointError(f"no checkpoint to resume in {path}: {newest} {state}. Fix: pass the "
                                  f"directory given to smp.save_checkpoint, or tag='<tag>' explicitly")
     return tags[-1]
+
+
+def _committed(path: str, tag: str) -> str:
+    """The directory of the committed checkpoint ``tag`` (see `committed_directory`)."""
+    return committed_directory(path, f"{check_tag(tag)}_partial")
 
 
 def _rankinfos_in(directory: str) -> list[str]:
@@ -488,7 +524,7 @@ def detect_rankinfo(path: str | os.PathLike[str], tag: str | None, pp_rank: int,
         SMPCheckpointError: neither exists; the message lists the rankinfos the checkpoint has.
     """
     path = os.fspath(path)
-    directory = partial_dir(path, _resolve_tag(path, tag))
+    directory = _committed(path, _resolve_tag(path, tag))
     options = ([rank_info(pp_rank, tp_rank, rdp_rank)] if rdp_rank is not None else []) + [rank_info(pp_rank, tp_rank)]
     for r in options:
         if os.path.isfile(os.path.join(directory, f"model_{r}.pt")):
@@ -509,7 +545,7 @@ def read_partial_checkpoint(
     map_location: Any = "cpu",
     weights_only: bool = False,
 ) -> dict[str, Any]:
-    """Read one rank's part of a ``save_checkpoint`` checkpoint.
+    """Read one rank's part of a ``save_checkpoint`` checkpoint, each file checked against the manifest.
 
     Args:
         path: the checkpoint directory.
@@ -522,15 +558,17 @@ def read_partial_checkpoint(
             (user content, optimizer extras): only read checkpoints you trust.
 
     Returns:
-        ``{"tag", "model", "optimizer", "fp16_states", "user_content", "config"}``; ``fp16_states``
-        is None when none was saved, ``config`` is the saved config dict with ``smp_version``.
+        ``{"tag", "save_id", "model", "optimizer", "fp16_states", "user_content", "config"}``;
+        ``save_id`` is None for a checkpoint without a manifest (earlier smp, SMP v1), ``fp16_states``
+        None when none was saved, ``config`` the saved config dict with ``smp_version``.
 
     Raises:
-        SMPCheckpointError: ``newest`` or a needed file is missing; the message names it.
+        SMPCheckpointError: ``newest`` or a needed file is missing, or a file is damaged or not from
+            the save that wrote the others; the message names the file and what to do.
     """
     path = os.fspath(path)
     tag = _resolve_tag(path, tag)
-    directory = partial_dir(path, tag)
+    directory = _committed(path, tag)
     if not os.path.isdir(directory):
         raise SMPCheckpointError(f"checkpoint {tag!r} not found: {directory} does not exist (tags listed in "
                                  f"{os.path.join(path, NEWEST)}: {read_newest(path)})")
@@ -542,22 +580,29 @@ def read_partial_checkpoint(
             f"checkpoint {tag!r} has no {model_file}; it has model files for rankinfos "
             f"{_rankinfos_in(directory)}. Fix: a partial checkpoint loads only with the partitioning it was "
             f"saved with (same pipeline/tensor parallel degrees); to change the layout save a full checkpoint")
+    manifest = read_manifest(directory)
+    fix = _resume_fix(path, tag)
+
+    def load(file: str, what: str) -> Any:
+        return load_file(file, f"{what} of checkpoint {tag!r}", fix, manifest,
+                         map_location=map_location, weights_only=weights_only)
+
     optimizer = None
     if load_optimizer:
         opt_file = os.path.join(directory, f"optimizer_{opt_info}.pt")
         if not os.path.isfile(opt_file):
             raise SMPCheckpointError(f"checkpoint {tag!r} has no {opt_file}. Fix: resume with "
                                      f"load_optimizer=False if it was saved without an optimizer")
-        optimizer = _load(opt_file, "optimizer state", map_location, weights_only)
+        optimizer = load(opt_file, "optimizer state")
     fp16_file = os.path.join(directory, f"fp16_states_{rankinfo}.pt")
     return {
         "tag": tag,
-        "model": _load(model_file, "model state", map_location, weights_only),
+        "save_id": manifest.save_id if manifest is not None else None,
+        "config": load(os.path.join(directory, SMP_CONFIG), "smp config"),
+        "model": load(model_file, "model state"),
         "optimizer": optimizer,
-        "fp16_states": (_load(fp16_file, "fp16 states", map_location, weights_only)
-                        if os.path.isfile(fp16_file) else None),
-        "user_content": _load(os.path.join(directory, USER_CONTENT), "user content", map_location, weights_only),
-        "config": _load(os.path.join(directory, SMP_CONFIG), "smp config", map_location, weights_only),
+        "fp16_states": load(fp16_file, "fp16 states") if os.path.isfile(fp16_file) else None,
+        "user_content": load(os.path.join(directory, USER_CONTENT), "user content"),
     }
 
 
@@ -569,7 +614,7 @@ def write_full_checkpoint(path: str | os.PathLike[str], tag: str, model_state: A
     ``newest``. The user content file is written only when ``user_content`` is not None.
     """
     path = os.fspath(path)
-    _makedirs(path)
+    makedirs(path)
     if user_content is not None:
         atomic_save(user_content, full_user_content_path(path, tag))
     atomic_save(model_state, full_model_path(path, tag))
@@ -580,7 +625,7 @@ def read_full_checkpoint(path: str | os.PathLike[str], tag: str, *, map_location
     """Read a ``partial=False`` checkpoint: ``{"tag", "model", "user_content"}`` (None when not saved).
 
     Raises:
-        SMPCheckpointError: ``path/<tag>`` does not exist.
+        SMPCheckpointError: ``path/<tag>`` does not exist or cannot be read; the message names the file.
     """
     path = os.fspath(path)
     model_file = full_model_path(path, tag)
@@ -589,9 +634,11 @@ def read_full_checkpoint(path: str | os.PathLike[str], tag: str, *, map_location
                 if os.path.isdir(partial_dir(path, tag)) else "")
         raise SMPCheckpointError(f"full checkpoint {tag!r} not found: {model_file} does not exist{hint}")
     uc_file = full_user_content_path(path, tag)
+    fix = f"save the full checkpoint {tag!r} again (smp.save_checkpoint(..., partial=False)), or resume another one"
+    kwargs = {"map_location": map_location, "weights_only": weights_only}
     return {
         "tag": tag,
-        "model": _load(model_file, "full model", map_location, weights_only),
-        "user_content": (_load(uc_file, "user content", map_location, weights_only)
+        "model": load_file(model_file, f"full model of checkpoint {tag!r}", fix, **kwargs),
+        "user_content": (load_file(uc_file, f"user content of checkpoint {tag!r}", fix, **kwargs)
                          if os.path.isfile(uc_file) else None),
     }

@@ -1,5 +1,6 @@
 """The checkpoint file layer on real files: atomic writes under crashes (exceptions and killed
-processes), SMP v1 partial names, the save_checkpoint layout, ``newest`` and pruning."""
+processes), SMP v1 partial names, the save_checkpoint layout, ``newest`` and pruning, staged saves
+that never touch a committed checkpoint, manifests, and load errors that name the damaged file."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from smp.torch import checkpoint_files as ckpt
 from smp.torch.checkpoint_files import (
     atomic_save,
     atomic_write_text,
+    commit_partial_checkpoint,
     detect_rankinfo,
     find_partial,
     partial_candidates,
@@ -31,7 +33,6 @@ from smp.torch.checkpoint_files import (
     read_full_checkpoint,
     read_newest,
     read_partial_checkpoint,
-    update_newest,
     write_full_checkpoint,
     write_partial_checkpoint,
 )
@@ -251,24 +252,28 @@ def model_state(tag: str, r: str) -> dict[str, Any]:
     return {"w": torch.full((3,), float(len(tag) + int(r[0]))), "tag": tag, "rank": r}
 
 
-def save(path: Path, tag: str, keep: int | None = None, rankinfos: tuple[str, ...] = ("0_0", "1_0")) -> list[str]:
+def save(path: Path, tag: str, keep: int | None = None, rankinfos: tuple[str, ...] = ("0_0", "1_0"),
+         step: int | None = None) -> list[str]:
     """One partial save as the ranks of a pp=2 job do it, in the documented three phases."""
-    prepare_partial_checkpoint(path, tag)
+    sid = prepare_partial_checkpoint(path, tag)
+    records: dict[str, Any] = {}
     for i, r in enumerate(rankinfos):
-        write_partial_checkpoint(path, tag, r, model_state(tag, r), {"state": {}, "tag": tag, "rank": r},
-                                 {"tag": tag}, CONFIG, write_shared=(i == 0))
-    return update_newest(path, tag, keep, expected_rankinfos=list(rankinfos))
+        records.update(write_partial_checkpoint(
+            path, tag, r, {**model_state(tag, r), "step": step}, {"state": {}, "tag": tag, "rank": r, "step": step},
+            {"tag": tag, "step": step}, CONFIG, write_shared=(i == 0), save_id=sid))
+    return commit_partial_checkpoint(path, tag, sid, records, keep, expected_rankinfos=list(rankinfos))
 
 
 def test_layout_of_a_partial_save(tmp_path: Path) -> None:
     assert save(tmp_path, "step_1") == ["step_1"]
     assert sorted(os.listdir(tmp_path)) == ["newest", "step_1_partial"]
     assert sorted(os.listdir(tmp_path / "step_1_partial")) == [
-        "model_0_0.pt", "model_1_0.pt", "optimizer_0_0.pt", "optimizer_1_0.pt", "smp_config.pt", "user_content.pt"]
+        "model_0_0.pt", "model_1_0.pt", "optimizer_0_0.pt", "optimizer_1_0.pt", "smp_config.pt", "smp_manifest.json",
+        "user_content.pt"]
     assert (tmp_path / "newest").read_text() == "step_1\n"
     cfg = torch.load(tmp_path / "step_1_partial" / "smp_config.pt")
     assert cfg == {**CONFIG, "smp_version": smp.__version__}
-    assert torch.load(tmp_path / "step_1_partial" / "user_content.pt") == {"tag": "step_1"}
+    assert torch.load(tmp_path / "step_1_partial" / "user_content.pt") == {"tag": "step_1", "step": None}
 
 
 def test_read_partial_checkpoint(tmp_path: Path) -> None:
@@ -276,8 +281,9 @@ def test_read_partial_checkpoint(tmp_path: Path) -> None:
     got = read_partial_checkpoint(tmp_path, "step_1", "1_0")
     assert got["tag"] == "step_1" and got["model"]["rank"] == "1_0"
     torch.testing.assert_close(got["model"]["w"], model_state("step_1", "1_0")["w"])
-    assert got["optimizer"] == {"state": {}, "tag": "step_1", "rank": "1_0"}
-    assert got["user_content"] == {"tag": "step_1"} and got["config"]["smp_version"] == smp.__version__
+    assert got["optimizer"] == {"state": {}, "tag": "step_1", "rank": "1_0", "step": None}
+    assert got["user_content"] == {"tag": "step_1", "step": None} and got["config"]["smp_version"] == smp.__version__
+    assert re.fullmatch(r"[0-9a-f]{16}", got["save_id"])
     assert got["fp16_states"] is None
     assert read_partial_checkpoint(tmp_path, "step_1", "0_0", load_optimizer=False)["optimizer"] is None
 
@@ -297,12 +303,17 @@ def test_saving_a_tag_again_moves_it_last(tmp_path: Path) -> None:
     assert read_newest(tmp_path) == ["b", "a"]
 
 
-def test_prepare_unlists_a_tag_that_is_rewritten(tmp_path: Path) -> None:
-    save(tmp_path, "a")
-    save(tmp_path, "b")
-    prepare_partial_checkpoint(tmp_path, "b")
-    assert read_newest(tmp_path) == ["a"]  # while b is rewritten, resuming picks a
-    assert read_partial_checkpoint(tmp_path, None, "0_0")["tag"] == "a"
+def test_a_save_of_an_existing_tag_touches_nothing_before_its_commit(tmp_path: Path) -> None:
+    save(tmp_path, "a", step=1)
+    save(tmp_path, "b", step=1)
+    before = {n: (tmp_path / "b_partial" / n).read_bytes() for n in os.listdir(tmp_path / "b_partial")}
+    sid = prepare_partial_checkpoint(tmp_path, "b")
+    write_partial_checkpoint(tmp_path, "b", "0_0", {"step": 2}, {"step": 2}, {"step": 2}, CONFIG, write_shared=True,
+                             save_id=sid)
+    # staged, not committed: b stays listed, last, and byte for byte what its first save wrote
+    assert read_newest(tmp_path) == ["a", "b"]
+    assert {n: (tmp_path / "b_partial" / n).read_bytes() for n in os.listdir(tmp_path / "b_partial")} == before
+    assert read_partial_checkpoint(tmp_path, None, "0_0")["model"]["step"] == 1
 
 
 @pytest.mark.parametrize(("keep", "listed"), [
@@ -346,7 +357,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, monkey
     with pytest.raises(OSError, match="No space left"):
         save(tmp_path, "step_2", keep=1)
     monkeypatch.undo()
-    # update_newest never ran: newest names step_1, and step_1 is whole and not pruned
+    # the commit never ran: newest names step_1, and step_1 is whole and not pruned
     assert read_newest(tmp_path) == ["step_1"]
     for r in ("0_0", "1_0"):
         got = read_partial_checkpoint(tmp_path, None, r)
@@ -356,76 +367,106 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, monkey
     assert not (tmp_path / "step_1_partial").exists()
 
 
-def test_update_newest_refuses_an_incomplete_checkpoint(tmp_path: Path) -> None:
+def test_commit_refuses_an_incomplete_checkpoint(tmp_path: Path) -> None:
     save(tmp_path, "step_1")
-    prepare_partial_checkpoint(tmp_path, "step_2")
-    write_partial_checkpoint(tmp_path, "step_2", "0_0", {}, {}, None, CONFIG, write_shared=True)
+    sid = prepare_partial_checkpoint(tmp_path, "step_2")
+    rec = write_partial_checkpoint(tmp_path, "step_2", "0_0", {}, {}, None, CONFIG, write_shared=True, save_id=sid)
     with pytest.raises(SMPCheckpointError) as e:
-        update_newest(tmp_path, "step_2", expected_rankinfos=["0_0", "1_0"])
-    assert "model_1_0.pt" in str(e.value) and "still names the previous one" in str(e.value)
-    prepare_partial_checkpoint(tmp_path, "step_3")
-    write_partial_checkpoint(tmp_path, "step_3", "0_0", {}, {}, None, CONFIG, write_shared=False)
+        commit_partial_checkpoint(tmp_path, "step_2", sid, rec, expected_rankinfos=["0_0", "1_0"])
+    assert "model_1_0.pt" in str(e.value) and "nothing was committed" in str(e.value)
+    sid = prepare_partial_checkpoint(tmp_path, "step_3")
+    rec = write_partial_checkpoint(tmp_path, "step_3", "0_0", {}, {}, None, CONFIG, write_shared=False, save_id=sid)
     with pytest.raises(SMPCheckpointError, match="smp_config.pt"):
-        update_newest(tmp_path, "step_3")
+        commit_partial_checkpoint(tmp_path, "step_3", sid, rec)
     assert read_newest(tmp_path) == ["step_1"]
+    assert not (tmp_path / "step_2_partial").exists() and not (tmp_path / "step_3_partial").exists()
 
 
 KILL_DURING_SAVE = textwrap.dedent("""
-    import io, os, sys, time
+    import os, sys, time
     import torch
     from smp.torch import checkpoint_files as ckpt
 
-    path, stall_on = sys.argv[1], sys.argv[2]
-    real_save, real_write_text = ckpt.atomic_save, ckpt.atomic_write_text
+    path, stall_on, resave = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    real_save, real_write_text, real_replace = ckpt.atomic_save, ckpt.atomic_write_text, os.replace
+    step = 0
 
-    def stall(path):
-        if str(path).endswith(stall_on):
+    def stall(where):
+        if step == 3 and where.endswith(stall_on):
             print("MIDWAY", flush=True)
             time.sleep(60)
 
     def stalling_save(obj, f, **kwargs):
-        stall(f)
-        real_save(obj, f, **kwargs)
+        stall(str(f))
+        return real_save(obj, f, **kwargs)
 
     def stalling_write_text(text, f):
-        if "step_3" in text:  # the commit of step_3, not the earlier ones
-            stall(f)
-        real_write_text(text, f)
+        stall(str(f))
+        return real_write_text(text, f)
 
-    ckpt.atomic_save, ckpt.atomic_write_text = stalling_save, stalling_write_text
+    def stalling_replace(src, dst):
+        real_replace(src, dst)
+        if str(src).endswith("_partial") and ".smp-old" in str(dst):
+            stall("between renames")  # the previous save moved aside, the new one not yet in place
+
+    ckpt.atomic_save, ckpt.atomic_write_text, os.replace = stalling_save, stalling_write_text, stalling_replace
     for step in range(1, 10):
-        tag = f"step_{step}"
-        ckpt.prepare_partial_checkpoint(path, tag)
+        tag = "latest" if resave else f"step_{step}"
+        sid = ckpt.prepare_partial_checkpoint(path, tag)
+        records = {}
         for i, r in enumerate(["0_0", "1_0"]):
-            ckpt.write_partial_checkpoint(path, tag, r, {"w": torch.full((1000,), float(step))},
-                                          {"step": step}, {"step": step}, {"microbatches": 2}, i == 0)
-        ckpt.update_newest(path, tag, keep=2, expected_rankinfos=["0_0", "1_0"])
+            records.update(ckpt.write_partial_checkpoint(path, tag, r, {"w": torch.full((1000,), float(step))},
+                                                         {"step": step}, {"step": step}, {"microbatches": 2}, i == 0,
+                                                         save_id=sid))
+        ckpt.commit_partial_checkpoint(path, tag, sid, records, keep=2, expected_rankinfos=["0_0", "1_0"])
 """)
 
 
-@pytest.mark.parametrize("stall_on", ["step_3_partial/model_1_0.pt", "newest"])
+def whole_save(path: Path, tag: str | None) -> int:
+    """The step of the save ``tag`` holds, after checking every file of both ranks comes from it."""
+    steps = set()
+    for r in ("0_0", "1_0"):
+        got = read_partial_checkpoint(path, tag, r)
+        steps |= {int(got["model"]["w"][0].item()), got["optimizer"]["step"], got["user_content"]["step"]}
+    assert len(steps) == 1, steps
+    return steps.pop()
+
+
+@pytest.mark.parametrize("stall_on", ["model_1_0.pt", "newest"])
 def test_process_killed_during_save_resumes_from_the_previous_tag(tmp_path: Path, stall_on: str) -> None:
-    run_until_midway(KILL_DURING_SAVE, str(tmp_path), stall_on)
+    run_until_midway(KILL_DURING_SAVE, str(tmp_path), stall_on, "0")
     # killed while saving step_3 ("newest": while committing it): newest names step_2, both kept tags load
     assert read_newest(tmp_path) == ["step_1", "step_2"]
-    for r in ("0_0", "1_0"):
-        got = read_partial_checkpoint(tmp_path, None, r)
-        assert got["tag"] == "step_2" and got["optimizer"] == {"step": 2}
-        assert torch.equal(got["model"]["w"], torch.full((1000,), 2.0))
-    assert read_partial_checkpoint(tmp_path, "step_1", "1_0")["user_content"] == {"step": 1}
+    assert whole_save(tmp_path, None) == 2 and whole_save(tmp_path, "step_1") == 1
+
+
+@pytest.mark.parametrize(("stall_on", "expect"), [("model_1_0.pt", 2), ("between renames", 2), ("newest", 3)])
+def test_process_killed_while_saving_an_existing_tag_keeps_it_whole(tmp_path: Path, stall_on: str,
+                                                                    expect: int) -> None:
+    """The same tag saved every step: a kill at any point leaves ``latest`` listed and whole (the
+    previous save, or, once the new one is swapped in before ``newest`` is rewritten, the new one)."""
+    run_until_midway(KILL_DURING_SAVE, str(tmp_path), stall_on, "1")
+    assert read_newest(tmp_path) == ["latest"]
+    assert whole_save(tmp_path, None) == expect
+    # the next save cleans up what the killed one left, and puts a moved-aside directory back first
+    sid = prepare_partial_checkpoint(tmp_path, "other")
+    assert whole_save(tmp_path, "latest") == expect
+    assert sorted(os.listdir(tmp_path)) == [f".other_partial.{sid}.smp-staging", "latest_partial", "newest"]
 
 
 def test_fp16_states_and_a_separate_optimizer_rankinfo(tmp_path: Path) -> None:
-    prepare_partial_checkpoint(tmp_path, "t")
+    sid = prepare_partial_checkpoint(tmp_path, "t")
+    records: dict[str, Any] = {}
     for rdp in range(2):
         # sharded optimizer state: every rdp rank writes its optimizer shard; model files per (pp, tp)
-        write_partial_checkpoint(tmp_path, "t", "0_0", {"m": 1} if rdp == 0 else None, {"shard": rdp}, None,
-                                 CONFIG, write_shared=(rdp == 0), fp16_states={"master": rdp} if rdp == 0 else None,
-                                 optimizer_rankinfo=rank_info(0, 0, rdp))
-    update_newest(tmp_path, "t", expected_rankinfos=["0_0"])
+        records.update(write_partial_checkpoint(
+            tmp_path, "t", "0_0", {"m": 1} if rdp == 0 else None, {"shard": rdp}, None, CONFIG,
+            write_shared=(rdp == 0), fp16_states={"master": rdp} if rdp == 0 else None,
+            optimizer_rankinfo=rank_info(0, 0, rdp), save_id=sid))
+    commit_partial_checkpoint(tmp_path, "t", sid, records, expected_rankinfos=["0_0"])
     assert sorted(os.listdir(tmp_path / "t_partial")) == [
         "fp16_states_0_0.pt", "model_0_0.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt", "smp_config.pt",
-        "user_content.pt"]
+        "smp_manifest.json", "user_content.pt"]
     got = read_partial_checkpoint(tmp_path, None, "0_0", optimizer_rankinfo="0_0_1")
     assert got["optimizer"] == {"shard": 1} and got["fp16_states"] == {"master": 0} and got["model"] == {"m": 1}
 
@@ -451,7 +492,7 @@ def test_bad_tags(tmp_path: Path, tag: Any) -> None:
 
 def test_bad_rankinfo(tmp_path: Path) -> None:
     with pytest.raises(SMPCheckpointError, match=r"rankinfo='0-0'"):
-        write_partial_checkpoint(tmp_path, "t", "0-0", {}, {}, None, CONFIG, write_shared=True)
+        write_partial_checkpoint(tmp_path, "t", "0-0", {}, {}, None, CONFIG, write_shared=True, save_id="0" * 16)
 
 
 def test_resume_errors_name_what_is_missing(tmp_path: Path) -> None:
@@ -470,6 +511,93 @@ def test_resume_errors_name_what_is_missing(tmp_path: Path) -> None:
         read_partial_checkpoint(tmp_path, "s", "1_0")
 
 
+def damage(file: Path, how: str) -> None:
+    """Damage ``file`` as the issue found them: truncated, random bytes of the same size, emptied."""
+    data = file.read_bytes()
+    if how == "truncated":
+        file.write_bytes(data[: len(data) // 2])
+    elif how == "random":
+        file.write_bytes(os.urandom(len(data)))
+    else:
+        file.write_bytes(b"")
+
+
+DAMAGES = [("model_1_0.pt", "truncated", "1_0"), ("optimizer_0_0.pt", "random", "0_0"),
+           ("smp_config.pt", "empty", "0_0")]
+
+
+@pytest.mark.parametrize(("name", "how", "rankinfo"), DAMAGES)
+def test_a_damaged_file_is_refused_by_name_against_the_manifest(tmp_path: Path, name: str, how: str,
+                                                                rankinfo: str) -> None:
+    save(tmp_path, "s1", step=1)
+    save(tmp_path, "s2", step=2)
+    damage(tmp_path / "s2_partial" / name, how)
+    with pytest.raises(SMPCheckpointError) as e:
+        read_partial_checkpoint(tmp_path, None, rankinfo)
+    msg = str(e.value)
+    assert str(tmp_path / "s2_partial" / name) in msg
+    assert ("SHA-256" in msg and "damaged" in msg) if how == "random" else "is truncated" in msg
+    assert "resume another checkpoint" in msg and "['s1']" in msg  # the fix names the intact tag
+    for r in ("0_0", "1_0"):
+        got = read_partial_checkpoint(tmp_path, "s1", r)
+        assert got["model"]["step"] == got["optimizer"]["step"] == got["user_content"]["step"] == 1
+
+
+def test_a_file_from_another_save_is_refused(tmp_path: Path) -> None:
+    """The mix the issue found: one rank's optimizer state from an older save of the same tag."""
+    save(tmp_path, "t", step=1)
+    old = (tmp_path / "t_partial" / "optimizer_1_0.pt").read_bytes()
+    save(tmp_path, "t", step=2)
+    (tmp_path / "t_partial" / "optimizer_1_0.pt").write_bytes(old)  # same size: only the checksum tells
+    with pytest.raises(SMPCheckpointError, match=r"optimizer_1_0.pt is damaged: its content differs"):
+        read_partial_checkpoint(tmp_path, "t", "1_0")
+
+
+@pytest.mark.parametrize(("name", "how", "rankinfo"), DAMAGES)
+def test_without_a_manifest_torch_errors_become_errors_that_name_the_file(tmp_path: Path, name: str, how: str,
+                                                                         rankinfo: str) -> None:
+    """Checkpoints of SMP v1 or an earlier smp have no manifest: torch's own error, named."""
+    save(tmp_path, "s", step=1)
+    os.remove(tmp_path / "s_partial" / ckpt.MANIFEST)
+    damage(tmp_path / "s_partial" / name, how)
+    with pytest.raises(SMPCheckpointError) as e:
+        read_partial_checkpoint(tmp_path, "s", rankinfo)
+    msg = str(e.value)
+    assert str(tmp_path / "s_partial" / name) in msg and "damaged" in msg and "Fix:" in msg
+    assert type(e.value.__cause__).__name__ in msg  # e.g. RuntimeError (PytorchStreamReader), UnpicklingError
+
+
+def test_a_damaged_manifest_is_named(tmp_path: Path) -> None:
+    save(tmp_path, "s")
+    (tmp_path / "s_partial" / ckpt.MANIFEST).write_text("{not json")
+    with pytest.raises(SMPCheckpointError, match=r"the manifest .*s_partial/smp_manifest.json is damaged"):
+        read_partial_checkpoint(tmp_path, "s", "0_0")
+
+
+def test_load_file_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "model_0_0.pt"
+    atomic_save({"w": torch.ones(100)}, p)
+    damage(p, "truncated")
+    with pytest.raises(SMPCheckpointError, match=rf"cannot read the thing {re.escape(str(p))}: .*Fix: do this"):
+        ckpt.load_file(str(p), "thing", "do this")
+
+
+def test_the_next_save_cleans_up_what_an_interrupted_one_left(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    save(tmp_path, "s1")
+    sid = prepare_partial_checkpoint(tmp_path, "s2")  # a save that never commits...
+    write_partial_checkpoint(tmp_path, "s2", "0_0", {}, {}, None, CONFIG, write_shared=True, save_id=sid)
+    (tmp_path / f".newest.123.abcd{ckpt.TEMP_SUFFIX}").write_bytes(b"half")  # ...and a killed atomic write
+    legacy = tmp_path / "old_partial"  # left by an earlier smp that wrote in place
+    legacy.mkdir()
+    with caplog.at_level(logging.INFO, logger="smp.checkpoint"):
+        assert save(tmp_path, "s3") == ["s1", "s3"]
+    assert sorted(os.listdir(tmp_path)) == ["newest", "old_partial", "s1_partial", "s3_partial"]
+    assert f".s2_partial.{sid}.smp-staging: the files of a save of s2_partial that did not finish" in caplog.text
+    assert "the temp file of a write that did not finish" in caplog.text
+    assert re.search(r"old_partial is not listed in .*newest: a save by an earlier smp", caplog.text)
+
+
 # ----------------------------------------------------------------------------------------------
 # Full checkpoints
 
@@ -483,6 +611,13 @@ def test_full_checkpoint_round_trip(tmp_path: Path) -> None:
     assert got["user_content"] == {"epoch": 3} and torch.equal(got["model"]["w"], torch.ones(2))
     assert read_full_checkpoint(path, "no_uc")["user_content"] is None
     assert read_newest(path) == []  # full checkpoints are not listed in newest
+
+
+def test_a_damaged_full_checkpoint_is_named(tmp_path: Path) -> None:
+    write_full_checkpoint(tmp_path, "final", {"w": torch.ones(100)}, {"epoch": 3})
+    damage(tmp_path / "final", "truncated")
+    with pytest.raises(SMPCheckpointError, match=rf"full model of checkpoint 'final' {re.escape(str(tmp_path))}/final"):
+        read_full_checkpoint(tmp_path, "final")
 
 
 def test_missing_full_checkpoint_points_at_the_partial_one(tmp_path: Path) -> None:
