@@ -459,26 +459,34 @@ class DistributedModel(nn.Module):
         tensors, loadable by the unsharded model).
 
         Call it on every rank with ``dp_rank() == 0`` (``rdp_rank() == 0`` with TP), as in SMP v1.
+        With ``gather_to_rank0`` (the default) only global rank 0 gets the entries when
+        pipeline_parallel_degree > 1; the others return ``{}``.
         """
-        tp = self._cfg.tensor_parallel_degree > 1
+        tp_group = runtime().groups[GroupKind.TP] if self._cfg.tensor_parallel_degree > 1 else None
         if not self._partitioned or self._cfg.pipeline_parallel_degree == 1:
-            sd = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
-            if tp:
-                sd = gather_named(sd, runtime().groups[GroupKind.TP])
+            # keep_vars=True even when the caller wants plain tensors: the TP marks (tp_split_dim)
+            # live on the Parameter objects, and the detached copies of keep_vars=False lose them,
+            # so the shards would be returned as if they were whole tensors.
+            sd = self.module.state_dict(prefix=prefix, keep_vars=True)
+            if tp_group is not None:
+                sd = gather_named(sd, tp_group)
+            elif not keep_vars:
+                sd = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
             return {k: (v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) else v)
                     for k, v in sd.items()}
-        from .comm import MP_GROUP, allgather
+        from .comm import PP_GROUP, allgather
 
-        local = self.local_state_dict(cast_to_cpu=True)
-        if tp:
-            local = {**gather_named(self._local_state_tensors(), runtime().groups[GroupKind.TP]),
-                     "_smp_is_partial": True}
-        parts = allgather(local, MP_GROUP)
+        own = self._local_state_tensors()
+        local = (gather_named(own, tp_group) if tp_group is not None
+                 else {k: v.detach().cpu() for k, v in own.items()})
+        # After the TP gather every TP rank holds its stage's full tensors, so one gather over the
+        # pipeline (the ranks of this tp_rank) collects the whole model.
+        parts = allgather(local, PP_GROUP)
         if gather_to_rank0 and smp_state.current().rank != 0:
             return {}
         full: dict[str, Any] = {}
         for part in parts:
-            full.update({prefix + k: v for k, v in part.items() if k != "_smp_is_partial"})
+            full.update({prefix + k: v for k, v in part.items()})
         order = [prefix + k for k in self.module.state_dict(keep_vars=True)]
         return {k: full[k] for k in order if k in full}
 
@@ -541,12 +549,18 @@ class DistributedModel(nn.Module):
         save_distributed(self, path, **kwargs)
 
     def cpu(self) -> DistributedModel:  # type: ignore[override]
-        """Gather every rank's parameters into this process's module, on the CPU."""
-        if self._partitioned and self._cfg.pipeline_parallel_degree > 1:
-            from .comm import MP_GROUP, allgather
+        """Gather every pipeline stage's parameters and buffers into this process's module, on the CPU.
 
+        A collective over the pipeline group. Under tensor parallelism the TP layers keep this
+        rank's shards (they compute with them); `state_dict` gives the full tensors.
+        """
+        if self._partitioned and self._cfg.pipeline_parallel_degree > 1:
+            from .comm import PP_GROUP, allgather
+
+            # Over the pipeline of this tp_rank only: a TP rank must receive its own shards of the
+            # other stages, not another TP rank's (the MP group mixes them under one name).
             full: dict[str, Any] = {}
-            for part in allgather(self.local_state_dict(), MP_GROUP):
+            for part in allgather(self.local_state_dict(), PP_GROUP):
                 full.update(part)
             local = set(self._local_state_tensors())
             with torch.no_grad():
