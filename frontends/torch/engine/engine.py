@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,14 @@ logger = logging.getLogger("smp")
 FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END = range(1, 10)
 
 _local = threading.local()
+
+# Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
+# A tensor the step body computes from a cross-rank call (a loss, the logits the step returns)
+# owns an autograd graph whose `_RemoteCall` node holds its ctx, and the ctx holds the call. If
+# the call held its task strongly, task -> result -> graph -> ctx -> call -> task would be a cycle
+# that runs through C++ autograd nodes, which the cyclic GC cannot traverse: every step's tasks,
+# results and graphs (the full logits of every microbatch) would stay alive for good. So a call
+# refers to its task weakly, and `run_step` drops the step's tasks before it returns.
 
 
 def current_task() -> Task | None:
@@ -125,6 +134,18 @@ class _RemoteCall(torch.autograd.Function):
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def _call_task(call: dict[str, Any]) -> Task:
+    """The task a cross-rank call belongs to (held weakly: see Note [task lifetime])."""
+    task: Task | None = call["task"]()
+    if task is None:
+        raise SMPError(
+            f"backward reached the cross-rank call of module {call['path']!r} after its @smp.step call ended; "
+            "the pipeline runs a microbatch's backward only inside the step. Fix: call model.backward(loss) "
+            "inside the @smp.step function (outputs returned with detach_outputs=False cannot be "
+            "backpropagated through the pipeline afterwards)")
+    return task
 
 
 class Engine:
@@ -216,7 +237,8 @@ class Engine:
         skeleton, tensors = pack((args, kwargs))
         task.calls += 1
         call = {"engine": self, "owner": owner, "path": path, "span": span, "skeleton": skeleton,
-                "id": (self.pp_rank, task.calls), "task": task, "grad": torch.is_grad_enabled()}
+                "id": (self.pp_rank, task.calls), "task": weakref.ref(task),  # Note [task lifetime]
+                "grad": torch.is_grad_enabled()}
         if call["grad"]:
             outs = _RemoteCall.apply(call, _ANCHOR, *tensors)
         else:
@@ -228,7 +250,7 @@ class Engine:
 
     def _forward_exchange(self, call: dict[str, Any], tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
                                                                                                list[bool]]:
-        task: Task = call["task"]
+        task = _call_task(call)
         body = {"id": call["id"], "path": call["path"], "span": call["span"], "skeleton": call["skeleton"],
                 "grad": call["grad"], "trail": task.trail, "needs": [t.requires_grad for t in tensors]}
         self._send(call["owner"], FWD_REQ, task.microbatch, body, tensors)
@@ -240,7 +262,7 @@ class Engine:
 
     def _backward_exchange(self, call: dict[str, Any], grads: Sequence[torch.Tensor | None],
                            needs: Sequence[bool]) -> list[torch.Tensor | None]:
-        task: Task = call["task"]
+        task = _call_task(call)
         mask = [g is not None for g in grads]
         self._send(call["owner"], BWD_REQ, task.microbatch, {"id": call["id"], "mask": mask},
                    [g for g in grads if g is not None])
@@ -436,6 +458,7 @@ class Engine:
             for pp in range(len(self.pp_ranks)):
                 if pp != self.pp_rank:
                     self._send(pp, DONE, -1, {"skeleton": skeleton}, tensors)
+        self.tasks = {}  # Note [task lifetime]
         self.transport.stop(STOP, self.timeout_s)
         return results, payload
 
