@@ -20,10 +20,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def place(self, pp: int, set_partition: Callable[[nn.Module, int], None]) -> None:
+    def place(self, pp: int, set_partition: Callable[[nn.Module, int], None], virtual_stages: int = 1) -> None:
+        # Stage k of pp * virtual_stages sits on rank k % pp: with 2 virtual stages on pp=2 the
+        # chain loops, 0 -> 1 -> 0 -> 1 (the Megatron interleaved placement).
         layers = list(self.net)
+        stages = pp * virtual_stages
         for i, layer in enumerate(layers):
-            set_partition(layer, min(pp - 1, i * pp // len(layers)))
+            set_partition(layer, (i * stages // len(layers)) % pp)
 
 
 class CNN(nn.Module):
