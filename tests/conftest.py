@@ -1,4 +1,4 @@
-"""Shared fixtures: every test starts and ends with a clean smp state."""
+"""Shared fixtures and hooks: every test starts and ends with a clean smp state; strict skips."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Strict skips (SMP_TEST_STRICT_SKIPS=1, set by scripts/test.sh and so by CI): a skip for a missing
+# dependency that requirements/dev.txt provides fails the run; see tests/helpers/strict_skips.py.
+from tests.helpers.strict_skips import (  # noqa: E402,F401 - hooks, found by name
+    pytest_collection_modifyitems,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 
 @pytest.fixture(autouse=True)
