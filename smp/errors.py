@@ -114,3 +114,32 @@ class SMPCheckpointError(SMPError, RuntimeError):
 
 
 __all__ += ["TensorSplitError", "StepOutputError", "SMPCheckpointError"]
+
+
+class PeerLostError(RemoteRankError):
+    """Another rank's process is gone (killed, crashed in native code, frozen, or exited mid-job).
+
+    ``rank`` is the rank that is gone, not the rank that noticed; the message says how it was
+    detected (a heartbeat that stopped, an exit without an error, the job's store vanishing) and
+    what to check.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.remote_message = message
+        Exception.__init__(self, message)
+
+
+class PeerStalledError(CommTimeoutError, RemoteRankError):
+    """Another rank is alive (its heartbeat goes on) but did not answer within ``comm_timeout``.
+
+    ``rank`` is the silent rank. Also a `CommTimeoutError` (and so a ``TimeoutError``).
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.remote_message = message
+        Exception.__init__(self, message)
+
+
+__all__ += ["PeerLostError", "PeerStalledError"]
