@@ -114,9 +114,11 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     store = _default_store()
     rt = TorchRuntime(launch, backend, device, owns, store)
     channel = failure.FailureChannel(dist.PrefixStore("smp", store) if store is not None else None, launch.rank,
-                                     float(cfg.comm_timeout))
+                                     float(cfg.comm_timeout), describe=lambda r: _describe(rank_map, r))
     failure.set_channel(channel)
     channel.install_excepthook()
+    if store is not None and launch.world_size > 1:
+        channel.start_heartbeat(_neighbours(rank_map, launch.rank), _heartbeat_store(store))
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(atexit.register(_shutdown_at_exit))  # a no-op after shutdown() or reset()
     _create_groups(rt, rank_map, launch.rank)
@@ -131,6 +133,32 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         logger.info("initialised: %d rank(s) via %s, pp=%d tp=%d rdp=%d, placement %s, backend %s",
                     launch.world_size, launch.kind, rank_map.pp_size, rank_map.tp_size, rank_map.rdp_size,
                     rank_map.placement, backend)
+
+
+def _describe(rank_map: RankMap, rank: int) -> str:
+    c = rank_map.coord(rank)
+    return f"rank {rank} (pp_rank {c.pp_rank}, tp_rank {c.tp_rank}, rdp_rank {c.rdp_rank})"
+
+
+def _neighbours(rank_map: RankMap, rank: int) -> set[int]:
+    """The ranks this one talks to: the members of its own groups (the ones its heartbeat watches)."""
+    return {r for kind in (GroupKind.PP, GroupKind.TP, GroupKind.RDP, GroupKind.DP, GroupKind.MP)
+            for r in rank_map.group(kind, rank)} - {rank}
+
+
+def _heartbeat_store(store: Any) -> Any:
+    """A client of its own for the heartbeat thread, with a short timeout.
+
+    A separate connection keeps the beat from queueing behind the training thread's store calls, and
+    the short timeout keeps a store that stopped answering from holding the thread (or the exit) for
+    the full communication timeout.
+    """
+    try:
+        own = store.clone()
+        own.set_timeout(timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - a store without clone(): share the job's client
+        own = store
+    return dist.PrefixStore("smp", own)
 
 
 def _create_groups(rt: TorchRuntime, rank_map: RankMap, rank: int) -> None:

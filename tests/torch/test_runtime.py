@@ -139,9 +139,53 @@ def _wait_for_nobody() -> None:
 
 
 def test_a_wait_times_out_with_a_message_naming_the_peer() -> None:
+    # Rank 1 is alive (sleeping) but never sends: named as stalled, with the config key to raise.
     res = run_ranks(_wait_for_nobody, 2, expect_failure=True, timeout=60)
     assert res[0][0] == "error"
-    assert "CommTimeoutError" in res[0][1] and "rank(s) 1" in res[0][1] and "comm_timeout" in res[0][1]
+    assert "PeerStalledError: rank 1 (pp_rank 1, tp_rank 0, rdp_rank 0" in res[0][1]
+    assert "did not answer rank 0 within 2 s" in res[0][1] and "comm_timeout" in res[0][1]
+    assert "recv of an object header" in res[0][1]
+
+
+def _heartbeat_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("smp-heartbeat"))
+
+
+def _heartbeat_lifetime() -> tuple[list[str], list[str]]:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "comm_timeout": 30.0})
+    during = _heartbeat_threads()
+    smp.barrier()
+    smp.reset()
+    return during, _heartbeat_threads()
+
+
+def test_the_heartbeat_thread_runs_from_init_to_reset_only() -> None:
+    for rank, (during, after_reset) in enumerate(run_ranks(_heartbeat_lifetime, 2, timeout=90)):
+        assert during == [f"smp-heartbeat-{rank}"] and after_reset == []
+
+
+def _finish_early_on_rank_0() -> str:
+    import smp.torch as smp
+    from smp.torch import failure
+
+    smp.init({"pipeline_parallel_degree": 2, "comm_timeout": 60.0})
+    smp.barrier()
+    if smp.rank() == 0:
+        return "done"  # the process exits normally: its heartbeat key says so
+    time.sleep(failure.DEAD_AFTER_S + 3 * failure.HEARTBEAT_S + 2.5)
+    failure.check_peers(None, "work that needs no peer")  # an exited rank is not a lost one
+    with pytest.raises(smp.exceptions.RemoteRankError) as left:
+        failure.check_peers([0], "a barrier with rank 0")  # ... until a wait needs it
+    assert "left the job" in str(left.value) and "a barrier with rank 0" in str(left.value)
+    return "ok"
+
+
+def test_a_rank_that_finished_normally_is_not_reported_dead() -> None:
+    assert run_ranks(_finish_early_on_rank_0, 2, timeout=90) == ["done", "ok"]
 
 
 def _raise_everywhere() -> None:
