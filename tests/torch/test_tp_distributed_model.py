@@ -5,12 +5,15 @@ rank gets the same batch (shard by rdp_rank); with the SMP v1 default ``False`` 
 own (shard by dp_rank) and the model runs on the TP group's combined batch (reference 2.5). Covered:
 tp=2 alone, tp=2 x pp=2 (manual and automatic partition; every model family), tp=2 x rdp=2, every
 placement strategy,
-a loss computed in the step from the model's logits, and (slow) tp=2 x pp=2 x rdp=2 on 8 ranks.
+a loss computed in the step from the model's logits, and (slow) tp=2 x pp=2 x rdp=2 on 8 ranks in
+both batch modes. Every rank's own loss is compared with the one-process loss on the rows it covers
+(errors on single ranks cannot cancel in a mean), and every rank's gathered parameters with the
+one-process model's after training (every replica, not only the first).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -28,23 +31,35 @@ def _data() -> torch.Tensor:
     return torch.randint(0, 64, (SEQS, 10), generator=torch.Generator().manual_seed(7))
 
 
-def _reference(kind: str = "llama") -> list[float]:
+class Reference(NamedTuple):
     """One process, the global batch of SEQS sequences in one piece."""
+
+    losses: list[float]  # the global batch's loss per step
+    shards: dict[int, list[list[float]]]  # n -> per step, the loss on each of _data().chunk(n)
+    state: dict[str, torch.Tensor]  # the parameters after the last step
+
+
+def _reference(kind: str = "llama") -> Reference:
     ref = _model(kind)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     ids = _data()
-    out = []
+    losses: list[float] = []
+    shards: dict[int, list[list[float]]] = {n: [] for n in (2, 4)}
     for _ in range(STEPS):
+        with torch.no_grad():
+            for n, per_step in shards.items():
+                per_step.append([ref(input_ids=part, labels=part).loss.item() for part in ids.chunk(n)])
         opt.zero_grad()
         loss = ref(input_ids=ids, labels=ids).loss
         loss.backward()
-        out.append(loss.item())
+        losses.append(loss.item())
         opt.step()
-    return out
+    return Reference(losses, shards, {k: v.detach().clone() for k, v in ref.named_parameters()})
 
 
 def _train(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", auto: bool = False,
-           loss_outside: bool = False, microbatches: int = 2, kind: str = "llama") -> list[float]:
+           loss_outside: bool = False, microbatches: int = 2, kind: str = "llama") -> dict[str, Any]:
+    """This rank's losses, which shards of the global batch they cover, and its gathered parameters."""
     import smp.torch as smp
 
     smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": pp, "ddp": True,
@@ -77,23 +92,36 @@ def _train(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", auto:
         opt.zero_grad()
         losses.append(train_step(model, ids).reduce_mean().item())
         opt.step()
-    return losses
+    # Which shards of _data().chunk(size) this rank's loss covers: its own, or with per-rank batches
+    # and the loss computed by the model (on the TP group's combined batch), its TP group's.
+    covers = [rank] if prescaled or loss_outside else sorted(smp.allgather(rank, smp.TP_GROUP))
+    params = set(dict(model.module.named_parameters()))
+    state = {k: v for k, v in model.state_dict(gather_to_rank0=False).items() if k in params}
+    return {"losses": losses, "shards": size, "covers": covers, "state": state}
 
 
-def _check(results: list[list[float]], ref: list[float]) -> None:
-    # Every rank's loss covers an equal share of the global batch: their mean is the global loss.
-    mean = torch.tensor(results).mean(0)
-    torch.testing.assert_close(mean, torch.tensor(ref), rtol=1e-4, atol=1e-5)
+def _check(results: list[dict[str, Any]], ref: Reference) -> None:
+    """Each rank's loss equals the one-process loss on the rows it covers; each rank's gathered
+    parameters equal the one-process model's."""
+    for rank, res in enumerate(results):
+        per_step = ref.losses if res["shards"] == 1 else [
+            sum(step[k] for k in res["covers"]) / len(res["covers"]) for step in ref.shards[res["shards"]]]
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(per_step), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, r=rank, c=res["covers"]: f"rank {r} (shards {c}): losses\n{m}")
+        assert set(res["state"]) == set(ref.state), (rank, sorted(set(ref.state) ^ set(res["state"]))[:6])
+        for name, value in ref.state.items():
+            torch.testing.assert_close(res["state"][name], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, r=rank, n=name: f"rank {r}: {n}\n{m}")
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
+def reference() -> Reference:
     return _reference()
 
 
 @pytest.mark.parametrize("prescaled", [True, False], ids=["prescaled", "per-rank-batches"])
 @pytest.mark.parametrize("pp,rdp", [(1, 1), (2, 1), (1, 2)], ids=["tp2", "tp2-pp2", "tp2-rdp2"])
-def test_tp_in_distributed_model_matches_one_process(reference: list[float], pp: int, rdp: int,
+def test_tp_in_distributed_model_matches_one_process(reference: Reference, pp: int, rdp: int,
                                                      prescaled: bool) -> None:
     _check(run_ranks(_train, 2 * pp * rdp, args=(pp, rdp, prescaled), timeout=300), reference)
 
@@ -104,27 +132,34 @@ def test_tp_pp_trains_every_model_family_like_one_process(kind: str) -> None:
     _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", False, False, 2, kind), timeout=300), _reference(kind))
 
 
-def test_per_rank_batches_with_loss_from_logits_in_the_step(reference: list[float]) -> None:
+def test_per_rank_batches_with_loss_from_logits_in_the_step(reference: Reference) -> None:
     """Each TP rank gets its own samples' full-vocabulary logits back (they are vocabulary-sharded
     inside the model) and computes its loss in the step, as an SMP v1 script does."""
     results = run_ranks(_train, 2, args=(1, 1, False, "cluster", False, True), timeout=300)
     _check(results, reference)
-    assert results[0] != results[1], "each rank's loss is over its own samples"
+    assert results[0]["losses"] != results[1]["losses"], "each rank's loss is over its own samples"
 
 
-def test_automatic_partition_under_tp(reference: list[float]) -> None:
+def test_automatic_partition_under_tp(reference: Reference) -> None:
     _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", True), timeout=300), reference)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_placement_strategy_tp_pp(reference: list[float], placement: str) -> None:
+def test_every_placement_strategy_tp_pp(reference: Reference, placement: str) -> None:
     _check(run_ranks(_train, 4, args=(2, 1, False, placement), timeout=300), reference)
 
 
+EIGHT_RANKS = [(placement, False) for placement in PLACEMENTS] + [("cluster", True), ("spread", True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: list[float], placement: str) -> None:
-    _check(run_ranks(_train, 8, args=(2, 2, False, placement, False, False, 1), timeout=600), reference)
+@pytest.mark.parametrize("placement,prescaled", EIGHT_RANKS,
+                         ids=[f"{p}-{'prescaled' if b else 'per-rank-batches'}" for p, b in EIGHT_RANKS])
+def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: Reference, placement: str,
+                                                      prescaled: bool) -> None:
+    """tp=2 x pp=2 x rdp=2 with 2 microbatches: per-rank batches of 2 sequences under every
+    placement, and prescaled batches (4 sequences per replica, pp > 1 and rdp > 1 together)."""
+    _check(run_ranks(_train, 8, args=(2, 2, prescaled, placement), timeout=600), reference)
 
 
 def _unequal() -> str:
