@@ -310,6 +310,7 @@ class DistributedModel(nn.Module):
         if delayed is not None:  # allocate and initialise this rank's delayed parameters only
             delayed.materialize(self._param_is_local, self._cfg)
         self._partitioned = True
+        self._install_microbatch_averaging()
         self._broadcast_from_dp0(params=True)
         for model_sd, strict in self._pending_loads:
             self._load_now(model_sd, strict)
@@ -401,13 +402,28 @@ class DistributedModel(nn.Module):
             if t.numel() and len(ranks) > 1:
                 wait(dist.broadcast(t.data, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
 
+    def _install_microbatch_averaging(self) -> None:
+        """Divide each microbatch's gradient by ``microbatches`` as autograd produces it.
+
+        Dividing the accumulated ``.grad`` when the step ends would also divide what it held before
+        the step: the earlier steps' gradients under ``backward_passes_per_step`` (or a script that
+        accumulates over steps without ``zero_grad``). Parameters frozen at partition time get no
+        hook (torch refuses hooks on them); one unfrozen later accumulates sums.
+        """
+        count = self._cfg.microbatches
+        if count == 1:
+            return
+
+        def average(grad: torch.Tensor) -> torch.Tensor:
+            return grad / count if self.average_grads_across_microbatches else grad
+
+        for p in self.local_parameters():
+            if p.requires_grad:
+                p.register_hook(average)
+
     def _sync_gradients(self) -> None:
-        """Average gradients over microbatches, then over the DP group (every backward_passes_per_step)."""
+        """Average gradients over the DP group (every backward_passes_per_step); microbatches: above."""
         cfg = self._cfg
-        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
-        if self.average_grads_across_microbatches and cfg.microbatches > 1:
-            for g in grads:
-                g.div_(cfg.microbatches)
         if not cfg.ddp or self._steps % self.backward_passes_per_step:
             return
 
