@@ -10,6 +10,7 @@ optimize speed, ddp (so 4 ranks = 2 pipelines x 2 data-parallel replicas).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import smp.torch as smp  # was: import smdistributed.modelparallel.torch as smp
@@ -34,9 +35,9 @@ class Net1(nn.Module):
 
 
 class Net2(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.5) -> None:
         super().__init__()
-        self.dropout2 = nn.Dropout(0.5)
+        self.dropout2 = nn.Dropout(dropout)
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, 10)
 
@@ -48,10 +49,10 @@ class Net2(nn.Module):
 
 
 class GroupedNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.5) -> None:
         super().__init__()
         self.net1 = Net1()
-        self.net2 = Net2()
+        self.net2 = Net2(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net2(self.net1(x))
@@ -106,6 +107,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--save", default="")
+    # For comparing with one process (tests/torch/test_smp_v1_scripts.py): dropout masks and the
+    # shuffled order depend on each rank's generator, so a comparison turns both off.
+    parser.add_argument("--dropout", type=float, default=0.5)
+    parser.add_argument("--no-shuffle", action="store_true")
+    parser.add_argument("--losses", default="", help="write each rank's per-step train losses to LOSSES_<rank>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -115,14 +121,15 @@ def main() -> None:
     fraction = 1.0 / smp.dp_size()
     partitions = {i: fraction for i in range(smp.dp_size())}
     train_loader = DataLoader(SplitDataset(synthetic_mnist(args.samples, 0), partitions), batch_size=args.batch_size,
-                              shuffle=True, drop_last=True)
+                              shuffle=not args.no_shuffle, drop_last=True)
     test_loader = DataLoader(SplitDataset(synthetic_mnist(args.samples // 4, 1), partitions),
                              batch_size=args.batch_size, drop_last=True)
 
-    model = smp.DistributedModel(GroupedNet())
+    model = smp.DistributedModel(GroupedNet(args.dropout))
     scaler = smp.amp.GradScaler()
     optimizer = smp.DistributedOptimizer(optim.Adadelta(model.parameters(), lr=args.lr))
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+    every_loss: list[float] = []
     for epoch in range(1, args.epochs + 1):
         model.train()
         losses = []
@@ -133,6 +140,7 @@ def main() -> None:
             scaler.step(optimizer)
             scaler.update()
             losses.append(loss.item())
+        every_loss += losses
         model.eval()
         test_loss, correct, seen = 0.0, 0, 0
         with torch.no_grad():
@@ -145,6 +153,9 @@ def main() -> None:
         if smp.rank() == 0:
             print(f"epoch {epoch}: train loss {sum(losses) / len(losses):.4f} (first {losses[0]:.4f}, last "
                   f"{losses[-1]:.4f}), test loss {test_loss / seen:.4f}, accuracy {correct / seen:.3f}", flush=True)
+    if args.losses:
+        with open(f"{args.losses}_{smp.rank()}.json", "w") as f:
+            json.dump({"dp_rank": smp.dp_rank(), "losses": every_loss}, f)
     if args.save and smp.dp_rank() == 0:
         smp.save({"model_state_dict": model.local_state_dict(), "optimizer_state_dict": optimizer.local_state_dict()},
                  os.path.join(args.save, "mnist_checkpoint"), partial=True)

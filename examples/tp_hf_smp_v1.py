@@ -12,6 +12,7 @@ construction, partitioned automatically, trained with ``@smp.step``, evaluated, 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="per-rank batch (sequences)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--out", default="tp-output")
+    parser.add_argument("--losses", default="", help="write each rank's per-step losses to LOSSES_<rank>.json")
     args = parser.parse_args()
 
     smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": int(os.environ.get("PP", "2")),
@@ -67,14 +69,19 @@ def main() -> None:
     # A learnable toy language: every sequence counts up from a random start.
     g = torch.Generator().manual_seed(smp.dp_rank())
     start = time.perf_counter()
+    losses: list[float] = []
     for step in range(args.steps):
         begin = torch.randint(0, vocab, (args.batch, 1), generator=g)
         ids = (begin + torch.arange(args.seq)) % vocab
         optimizer.zero_grad()
         loss = train_step(model, ids).reduce_mean()
         optimizer.step()
+        losses.append(loss.item())
         if smp.rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+    if args.losses:
+        with open(f"{args.losses}_{smp.rank()}.json", "w") as f:
+            json.dump({"dp_rank": smp.dp_rank(), "tp_rank": smp.tp_rank(), "losses": losses}, f)
     accuracy = eval_step(model, ids).reduce_mean()
     if smp.rank() == 0:
         print(f"next-token accuracy {accuracy.item():.3f}  ({time.perf_counter() - start:.1f} s)", flush=True)

@@ -1,8 +1,12 @@
 """SMP v1-style scripts run unchanged apart from the import: the pt_mnist.py shape under torchrun,
-and the SMP v1 checkpointing helpers (`smp.checkpoint`, `checkpoint_sequential`)."""
+and the SMP v1 checkpointing helpers (`smp.checkpoint`, `checkpoint_sequential`). The example scripts'
+per-step losses, on every rank, are compared with the same model trained by a plain torch loop in
+one process on the same global batches."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -17,20 +21,68 @@ from tests.helpers.spawn import run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _example(name: str) -> Any:
+    """Import examples/<name>.py (its model and data) without running it."""
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank_losses(prefix: Any, world: int) -> list[dict[str, Any]]:
+    out = []
+    for r in range(world):
+        with open(f"{prefix}_{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+def _mnist_reference(samples: int, batch: int, replicas: int) -> list[list[float]]:
+    """examples/mnist_smp_v1.py in one process: per step, the loss on each replica's rows.
+
+    The script seeds with 1 + dp_rank and DP rank 0's initial weights are broadcast, so the model
+    is built after seed 1; replica d reads its contiguous share of the data in order (no shuffle),
+    and the gradient averaged over replicas is the gradient of the mean over their rows.
+    """
+    ex = _example("mnist_smp_v1")
+    torch.manual_seed(1)
+    model = ex.GroupedNet(0.0)
+    images, labels = ex.synthetic_mnist(samples, 0).tensors
+    share = samples // replicas
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    out = []
+    for step in range(share // batch):
+        rows = [slice(d * share + step * batch, d * share + (step + 1) * batch) for d in range(replicas)]
+        opt.zero_grad()
+        per_replica = [torch.nn.functional.nll_loss(model(images[r]), labels[r]) for r in rows]
+        out.append([loss.item() for loss in per_replica])
+        (sum(per_replica) / replicas).backward()
+        opt.step()
+    return out
+
+
 def test_pt_mnist_shape_trains_on_four_ranks(tmp_path: Any) -> None:
     """2 partitions x 2 data-parallel replicas, spread placement, GradScaler, Adadelta, StepLR,
-    list outputs of an evaluation step, and partial smp.save on dp_rank 0."""
+    list outputs of an evaluation step, and partial smp.save on dp_rank 0. Dropout off and data in
+    order, so that every rank's losses equal one process training on both replicas' rows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4",
-           "examples/mnist_smp_v1.py", "--epochs", "1", "--samples", "512", "--save", str(tmp_path)]
+           "examples/mnist_smp_v1.py", "--epochs", "1", "--samples", "512", "--save", str(tmp_path),
+           "--dropout", "0", "--no-shuffle", "--losses", str(tmp_path / "losses")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    ref = _mnist_reference(512, 64, 2)
+    for rank, got in enumerate(_rank_losses(tmp_path / "losses", 4)):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor([s[got["dp_rank"]] for s in ref]),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: losses\n{m}")
     m = re.search(r"train loss [\d.]+ \(first ([\d.]+), last ([\d.]+)\).*accuracy ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     first, last, accuracy = (float(g) for g in m.groups())
     assert last < first / 2 and accuracy > 0.5, proc.stdout
-    assert sorted(os.listdir(tmp_path)) == ["mnist_checkpoint_0_0.pt", "mnist_checkpoint_1_0.pt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("mnist")) == ["mnist_checkpoint_0_0.pt",
+                                                                                "mnist_checkpoint_1_0.pt"]
     saved = torch.load(tmp_path / "mnist_checkpoint_1_0.pt", weights_only=False)
     assert saved["model_state_dict"]["_smp_is_partial"] is True
 
@@ -41,9 +93,13 @@ def test_tensor_parallel_hf_script_trains_checkpoints_and_exports(tmp_path: Any)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4",
-           "examples/tp_hf_smp_v1.py", "--steps", "12", "--out", str(tmp_path)]
+           "examples/tp_hf_smp_v1.py", "--steps", "12", "--out", str(tmp_path), "--losses", str(tmp_path / "losses")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    ref = _tp_hf_reference(12)
+    for rank, got in enumerate(_rank_losses(tmp_path / "losses", 4)):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, r=rank: f"rank {r}: losses\n{m}")
     losses = [float(x) for x in re.findall(r"loss ([\d.]+)", proc.stdout)]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, proc.stdout
     assert os.path.isdir(tmp_path / "checkpoint")
@@ -54,6 +110,27 @@ def test_tensor_parallel_hf_script_trains_checkpoints_and_exports(tmp_path: Any)
     with torch.no_grad():
         loss = plain(input_ids=ids, labels=ids).loss.item()
     assert loss < losses[0] - 0.5, "the exported model holds the trained weights"
+
+
+def _tp_hf_reference(steps: int, batch: int = 4, seq: int = 32, vocab: int = 256) -> list[float]:
+    """examples/tp_hf_smp_v1.py (Llama) in one process: the two TP ranks' per-rank batches (drawn by
+    dp_rank 0 and 1) are the batch the TP group runs on, and the loss the model computes is over it."""
+    import transformers
+
+    ex = _example("tp_hf_smp_v1")
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(ex.CONFIGS["llama"](vocab))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gens = [torch.Generator().manual_seed(d) for d in range(2)]
+    out = []
+    for _ in range(steps):
+        ids = torch.cat([(torch.randint(0, vocab, (batch, 1), generator=g) + torch.arange(seq)) % vocab for g in gens])
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids)["loss"]
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
 
 
 def _checkpoint_grads(strategy: str | None) -> dict[str, torch.Tensor]:
