@@ -174,6 +174,7 @@ def _partial_rdp(path: str, phase: str) -> dict[str, Any]:
             "local_keys": sorted(n for n, _ in model.local_named_parameters()), "rdp_rank": smp.rdp_rank()}
 
 
+@pytest.mark.slow  # two 4-rank launches
 def test_partial_checkpoint_with_two_replicas_resumes_model_and_optimizer(tmp_path: Any) -> None:
     """tp=2 x rdp=2: rdp_rank 0 writes each (pp, tp) part; every replica resumes from it, with the
     optimizer's momentum, and trains on like one uninterrupted process."""
