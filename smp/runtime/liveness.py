@@ -21,17 +21,47 @@ that ranks which do not watch it learn of it too.
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["EXITED", "Heartbeat", "PeerState", "Store"]
+__all__ = ["EXITED", "Heartbeat", "PeerState", "Store", "local_process_gone"]
 
 EXITED = "exited"
 _KEY = "hb/{}"
 _WHERE_KEY = "hb/{}/where"
+
+
+def local_process_gone(where: str) -> bool:
+    """Whether the process a peer registered as ``where`` ("pid P on host H") is gone, if H is this host.
+
+    A process on this host can be looked up in ``/proc``: a killed peer is found in one heartbeat
+    instead of ``dead_after_s``. Another host's process, a reused pid, or no ``/proc`` say False
+    (the heartbeat's silence decides then). A stopped process (SIGSTOP) is not gone.
+    """
+    m = re.fullmatch(r"pid (\d+) on host (.+)", where)
+    if m is None or m.group(2) != socket.gethostname():
+        return False
+    pid = int(m.group(1))
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+        return state in ("Z", "X")  # a zombie has exited; only its parent has not collected it
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
 
 
 class Store(Protocol):
@@ -74,6 +104,8 @@ class Heartbeat:
         on_lost: called once per lost peer with (rank, reason), from the heartbeat thread.
         on_store_lost: called once when the store stops answering, with the error text.
         where: how this process describes itself to peers ("pid 123 on host h").
+        probe: ``probe(where)`` tells whether a silent peer's process is known to be gone (default
+            `local_process_gone`); such a peer is lost after two missed beats, not ``dead_after_s``.
 
     Example:
         >>> class Dict(dict):
@@ -93,6 +125,7 @@ class Heartbeat:
                  on_lost: Callable[[int, str], None],
                  on_store_lost: Callable[[str], None] | None = None,
                  interval_s: float = 0.5, dead_after_s: float = 5.0, where: str = "",
+                 probe: Callable[[str], bool] = local_process_gone,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.rank = rank
@@ -105,6 +138,7 @@ class Heartbeat:
         self.store_error: str | None = None
         self._on_lost = on_lost
         self._on_store_lost = on_store_lost
+        self._probe = probe
         self._clock = clock
         started = clock()
         self._last: dict[int, str] = {}
@@ -191,6 +225,7 @@ class Heartbeat:
         self.store.set(_KEY.format(self.rank), f"{self._beat}\t{self.activity()}")
         now = self._clock()
         newly_lost: list[tuple[int, str]] = []
+        silent: list[tuple[int, float]] = []
         for p in self.peers:
             if p in self._lost:
                 continue
@@ -213,6 +248,11 @@ class Heartbeat:
                     self._last[p], self._changed[p], self._activity[p] = raw, now, activity
                 elif now - self._changed[p] > self.dead_after_s:
                     newly_lost.append((p, f"its heartbeat stopped {now - self._changed[p]:.1f} s ago"))
+                elif now - self._changed[p] > 2 * self.interval_s:
+                    silent.append((p, now - self._changed[p]))
+        for p, quiet in silent:
+            if self._probe(self.where_of(p)):
+                newly_lost.append((p, f"its process no longer exists (heartbeat silent for {quiet:.1f} s)"))
         for p, reason in newly_lost:
             with self._lock:
                 self._lost[p] = reason

@@ -8,7 +8,16 @@ import time
 import pytest
 
 from smp.errors import PeerLostError, PeerStalledError, RemoteRankError
-from smp.runtime import EXITED, FAILED, LOST, STALLED, FailureRecord, Heartbeat, is_transport_error
+from smp.runtime import (
+    EXITED,
+    FAILED,
+    LOST,
+    STALLED,
+    FailureRecord,
+    Heartbeat,
+    is_transport_error,
+    local_process_gone,
+)
 
 
 class DictStore:
@@ -170,3 +179,47 @@ def test_transport_errors_are_told_apart_from_user_errors() -> None:
     assert is_transport_error("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:1: Connection reset by peer")
     assert is_transport_error("Connection closed by peer [127.0.0.1]:2")
     assert not is_transport_error("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_a_silent_peer_whose_process_is_gone_is_lost_after_two_missed_beats() -> None:
+    store, clock, lost = DictStore(), Clock(), []
+    gone = {"pid 7 on host h": True}
+    a = Heartbeat(store, 0, [1], on_lost=lambda r, why: lost.append((r, why)), clock=clock, interval_s=0.5,
+                  probe=lambda where: gone.get(where, False))
+    store.set("hb/1/where", "pid 7 on host h")
+    store.set("hb/1", "1\t")
+    a.tick()
+    clock.now += 0.9  # within two beats: no probe yet
+    a.tick()
+    assert lost == []
+    clock.now += 0.2
+    a.tick()
+    assert lost == [(1, "its process no longer exists (heartbeat silent for 1.1 s)")]
+
+
+def test_local_process_gone_reads_this_hosts_processes() -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    host = socket.gethostname()
+    assert not local_process_gone(f"pid {os.getpid()} on host {host}")
+    assert not local_process_gone(f"pid 1 on host not-{host}")  # another host: cannot tell
+    assert not local_process_gone("")
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    assert local_process_gone(f"pid {done.pid} on host {host}")
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        os.kill(zombie.pid, signal.SIGKILL)
+        time.sleep(0.5)  # not reaped yet: a zombie
+        assert local_process_gone(f"pid {zombie.pid} on host {host}")
+        assert not local_process_gone(f"pid {stopped.pid} on host {host}")  # frozen is not gone
+    finally:
+        stopped.kill()
+        for p in (zombie, stopped):
+            p.wait()
