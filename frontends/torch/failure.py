@@ -129,7 +129,8 @@ class FailureChannel:
         self.publish_record(FailureRecord(rank, LOST, self.rank, self._lost_text(rank, reason)))
 
     def _lost_text(self, rank: int, reason: str) -> str:
-        return (f"{self._name(rank)} is gone: {reason} without an error report (noticed by rank {self.rank}). "
+        return (f"{self._name(rank)} is gone: {reason} without an error report (noticed by rank {self.rank} from "
+                f"the heartbeat, without waiting for the comm_timeout of {self.timeout_s:g} s). "
                 "Its process was killed (SIGKILL, the out-of-memory killer), crashed in native code, or is frozen "
                 "(SIGSTOP); check that rank's log and the kernel log (dmesg) of its host. The job cannot go on "
                 "without it; restart from the last checkpoint.")

@@ -147,6 +147,23 @@ def test_a_wait_times_out_with_a_message_naming_the_peer() -> None:
     assert "recv of an object header" in res[0][1]
 
 
+def _barrier_while_rank_1_sleeps() -> None:
+    import smp.torch as smp
+
+    smp.init({"comm_timeout": 3.0, "ddp": True})  # pp=1: both ranks are one DP group
+    if smp.rank() == 0:
+        smp.barrier(smp.DP_GROUP)
+    else:
+        time.sleep(6)  # alive, beating, but never joins the barrier
+
+
+def test_a_collective_timeout_names_the_member_that_is_not_in_it() -> None:
+    res = run_ranks(_barrier_while_rank_1_sleeps, 2, expect_failure=True, timeout=60)
+    assert res[0][0] == "error" and res[1][0] == "ok"
+    assert "PeerStalledError: rank 1 (pp_rank 0, tp_rank 0, rdp_rank 1" in res[0][1]
+    assert "barrier over DP" in res[0][1] and "running its own code, not waiting on a peer" in res[0][1]
+
+
 def _heartbeat_threads() -> list[str]:
     import threading
 

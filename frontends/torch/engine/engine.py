@@ -34,12 +34,15 @@ import torch
 
 from smp.errors import RemoteRankError, SMPError
 
+from .. import failure
 from .order import BACKWARD, FORWARD, Baton
 from .wire import Message, Transport, pack, unpack
 
 logger = logging.getLogger("smp")
 
 FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END = range(1, 10)
+# How often the dispatcher, between messages, checks for a failed or vanished peer (failure.py).
+_POLL_S = 0.2
 
 _local = threading.local()
 
@@ -255,7 +258,7 @@ class Engine:
                 "grad": call["grad"], "trail": task.trail, "needs": [t.requires_grad for t in tensors]}
         self._send(call["owner"], FWD_REQ, task.microbatch, body, tensors)
         self._release(task)
-        reply = self._serve(task, until=call["id"])
+        reply = self._serve(task, until=call["id"], peer=call["owner"])
         task.trail = reply.body["trail"] + [self.pp_rank]
         call["out_skeleton"] = reply.body["skeleton"]
         return reply.tensors, reply.body["flags"]
@@ -267,7 +270,7 @@ class Engine:
         self._send(call["owner"], BWD_REQ, task.microbatch, {"id": call["id"], "mask": mask},
                    [g for g in grads if g is not None])
         self._release(task)
-        reply = self._serve(task, until=call["id"])
+        reply = self._serve(task, until=call["id"], peer=call["owner"])
         it = iter(reply.tensors)
         got = [next(it) if m else None for m in reply.body["mask"]]
         return [g if need else None for g, need in zip(got, needs)]
@@ -312,14 +315,17 @@ class Engine:
                    [g for g in in_grads if g is not None])
         self._release(task)
 
-    def _serve(self, task: Task, until: tuple[int, int] | None) -> Message:
-        """Wait for the reply ``until`` (or, with None, serve until the step ends)."""
+    def _serve(self, task: Task, until: tuple[int, int] | None, peer: int | None = None) -> Message:
+        """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
         while True:
             try:
                 msg = task.inbox.get(timeout=self.timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"microbatch {task.microbatch} on pp_rank {self.pp_rank} waited "
-                                   f"{self.timeout_s:g} s for a pipeline message") from None
+                what = f"microbatch {task.microbatch} on pp_rank {self.pp_rank} waited for "
+                if peer is not None:
+                    raise failure.stalled_error(self.pp_ranks[peer], what + f"the reply of pp_rank {peer}",
+                                                self.timeout_s) from None
+                raise failure.timeout_error(what + "a pipeline message", self._peer_ranks(), self.timeout_s) from None
             kind = msg.kind
             if kind == FWD_REP or kind == BWD_REP:
                 if until is None or msg.body["id"] != until:
@@ -410,16 +416,30 @@ class Engine:
             for mb, body in enumerate(bodies):
                 spawn(mb, body)
         finished_followers = False
+        peers = self._peer_ranks()
+        last_message = time.monotonic()
         while True:
             if leader and running == 0:
                 break
             if finished_followers and running == 0:
                 break
             try:
-                msg = self.transport.inbox.get(timeout=self.timeout_s)
+                msg = self.transport.inbox.get(timeout=_POLL_S)
             except queue.Empty:
-                error = TimeoutError(f"pp_rank {self.pp_rank}: no pipeline message for {self.timeout_s:g} s")
-                break
+                msg = None
+            if msg is None:
+                try:
+                    failure.check_peers(peers, f"the pipeline step on pp_rank {self.pp_rank}")
+                except RemoteRankError as e:
+                    error = e
+                    break
+                # A little later than the tasks' own limit, so a task waiting for one named peer reports first.
+                if time.monotonic() - last_message > self.timeout_s + 5 * _POLL_S:
+                    error = failure.timeout_error(f"pp_rank {self.pp_rank} waited for a pipeline message", peers,
+                                                  self.timeout_s)
+                    break
+                continue
+            last_message = time.monotonic()
             if isinstance(msg, BaseException):
                 error = msg
                 break
@@ -449,6 +469,8 @@ class Engine:
             task = self.tasks.get(msg.microbatch) or spawn(msg.microbatch, None)
             task.inbox.put(msg)
         if error is not None:
+            # A dropped connection is the failure of the peer behind it, not of this rank.
+            error = failure.translate(error, f"the pipeline step on pp_rank {self.pp_rank}", peers)
             self._fail(error)
             raise error
         if leader:
@@ -462,13 +484,15 @@ class Engine:
         self.transport.stop(STOP, self.timeout_s)
         return results, payload
 
+    def _peer_ranks(self) -> list[int]:
+        """Global ranks of the other members of this pipeline."""
+        return [r for i, r in enumerate(self.pp_ranks) if i != self.pp_rank]
+
     def _fail(self, error: BaseException) -> None:
         """Tell the peers (unless the error came from one) and unblock our task threads."""
+        failure.publish_failure(error)  # a stall is published in the silent peer's name
         if not isinstance(error, RemoteRankError):
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            from ..failure import publish_failure
-
-            publish_failure(error)
             for pp in range(len(self.pp_ranks)):
                 if pp != self.pp_rank:
                     try:
