@@ -150,6 +150,7 @@ class Heartbeat:
         self._where: dict[int, str] = {}
         self._mine: dict[int, str] = {}  # thread ident -> what that thread waits for
         self._beat = 0
+        self._failing = False  # the last beat failed: the store may be gone (its host exited first)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,7 +190,7 @@ class Heartbeat:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self.interval_s + 5.0)
-        if exited and self.store_error is None:
+        if exited and self.store_error is None and not self._failing:
             try:
                 self.store.set(_KEY.format(self.rank), f"{EXITED}\t")
             except Exception:  # noqa: BLE001 - the store may be gone with its host; exiting anyway
@@ -205,9 +206,11 @@ class Heartbeat:
             try:
                 self.tick()
                 failures = 0
+                self._failing = False
             except Exception as e:  # noqa: BLE001 - any store failure
                 # One retry: a single slow answer is not yet a lost store.
                 failures += 1
+                self._failing = True
                 if failures >= 2:
                     self._store_failed(e)
                     return
