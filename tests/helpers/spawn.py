@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 DEFAULT_TIMEOUT = 120.0
+SILENT_DEATH_GRACE_S = 15.0
 
 
 class RankFailure(AssertionError):
@@ -104,11 +105,22 @@ def run_ranks(
                 got[rank] = (status, pickle.loads(value) if status == "ok" else value)
             except queue.Empty:
                 # A rank that exited without reporting (killed, crashed in the interpreter) ends the run
-                # after a short grace period instead of the whole timeout.
-                if any(p.exitcode is not None and r not in got for r, p in enumerate(procs)):
+                # after a grace period instead of the whole timeout. The grace outlasts smp's dead-peer
+                # detection (a lost heartbeat: 5 s, SMP_PEER_DEAD_AFTER_S), so the survivors' own
+                # errors are still collected.
+                unreported = [p for r, p in enumerate(procs) if r not in got]
+                if any(p.exitcode is not None for p in unreported):
                     silent_death = silent_death or time.monotonic()
-                    if time.monotonic() - silent_death > 3.0:
+                    # Every unreported rank has exited and the queue is drained: nothing more comes.
+                    if all(p.exitcode is not None for p in unreported) or \
+                            time.monotonic() - silent_death > SILENT_DEATH_GRACE_S:
                         break
+        while len(got) < world_size:  # what an exiting rank wrote just before the loop stopped
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                break
+            got[rank] = (status, pickle.loads(value) if status == "ok" else value)
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         for p in procs:
