@@ -47,6 +47,7 @@ from torch import nn
 from smp.errors import PartitionMemoryError, SMPError
 from smp.partition import ModuleNode, ModuleTree, PartitionReport, TreePartition, format_bytes, partition_tree
 from smp.partition.cost import memory_weight_for
+from smp.pipeline.grid import format_grid
 
 __all__ = ["PlanResult", "estimate_tree", "load_config", "main", "plan_hf_model"]
 
@@ -436,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(result.report)
     print()
-    print(result.plan.grid() if args.grid else result.plan.orders())
+    print(format_grid(result.plan) if args.grid else result.plan.orders())
     print()
     print(f"bubble: {sim.bubble_fraction:.3f} of compute time idle (wall share {100 * sim.wall_share:.1f}%); "
           f"simulated step {sim.makespan:.3f} s at {args.tflops:g} TFLOP/s per device")

@@ -12,6 +12,8 @@ Example:
 from smp.pipeline.actions import Action, ActionKind
 from smp.pipeline.chains import linear_chain, looped_chain, parse_chain, vee_chain
 from smp.pipeline.costs import Costs
+from smp.pipeline.grid import format_grid, parse_grid
+from smp.pipeline.lowering import lower
 from smp.pipeline.plan import Plan
 from smp.pipeline.registry import SCHEDULES, Schedule, build_plan
 from smp.pipeline.render_ascii import render_ascii
@@ -34,9 +36,12 @@ __all__ = [
     "TimelineEvent",
     "build_plan",
     "check_plan",
+    "format_grid",
     "linear_chain",
     "looped_chain",
+    "lower",
     "parse_chain",
+    "parse_grid",
     "render_ascii",
     "render_chrome_trace",
     "render_svg",

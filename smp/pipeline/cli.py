@@ -18,6 +18,8 @@ from pathlib import Path
 from smp.errors import SMPError
 from smp.pipeline.chains import parse_chain
 from smp.pipeline.costs import Costs
+from smp.pipeline.grid import format_grid
+from smp.pipeline.lowering import lower
 from smp.pipeline.registry import SCHEDULES, build_plan
 from smp.pipeline.render_ascii import render_ascii
 from smp.pipeline.render_svg import render_svg
@@ -94,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         args.svg.write_text(render_svg(result.timeline, title=f"smp plan: {plan.name}", subtitle=subtitle))
     if args.trace:
         args.trace.write_text(render_chrome_trace(result.timeline))
-    shown = plan.lowered(sim_costs) if args.lowered else plan
+    shown = lower(plan, sim_costs) if args.lowered else plan
     if args.json:
         summary: dict[str, object] = {
             "pipeline": plan.name,
@@ -109,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         summary["actions"] = {str(r): [str(a) for a in acts] for r, acts in shown.actions.items()}
         print(json.dumps(summary))
         return 0
-    print(shown.grid())
+    print(format_grid(shown))
     print()
     print(plan.orders())
     print()

@@ -1,11 +1,15 @@
 """Plan: a pipeline schedule as data, one ordered action list per rank.
 
 A plan is what the executor walks: rank ``r`` runs ``plan.actions[r]`` from first to last. A
-compute-only plan holds F/B (or F/I/W) actions; `Plan.lowered` adds the sends and receives they
-imply, in an order that cannot deadlock under blocking point-to-point communication.
+compute-only plan holds F/B (or F/I/W) actions; `smp.pipeline.lowering.lower` adds the sends and
+receives they imply, in an order that cannot deadlock under blocking point-to-point communication.
 
-Its text form is a grid, one row per time step and one column per rank, that `Plan.parse` reads
-back exactly (idle cells are ``.``)::
+The plan is data and imports none of its passes (STYLE.md habit 18): validation, lowering,
+simulation and the text grid are free functions over it (`validate_plan`, `lower`, `simulate`,
+`format_grid` / `parse_grid`).
+
+Its text form is a grid, one row per time step and one column per rank, that
+`smp.pipeline.grid.parse_grid` reads back exactly (idle cells are ``.``)::
 
     plan 1f1b ranks=2 microbatches=2 active=2 chain=0,1
     step rank0 rank1
@@ -21,12 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from smp.pipeline.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, COMM_KINDS, Action
-
-if TYPE_CHECKING:
-    from smp.pipeline.costs import Costs
 
 __all__ = ["Plan"]
 
@@ -46,11 +46,11 @@ class Plan:
         forward_only: an evaluation plan: forwards only.
 
     Example:
-        >>> from smp.pipeline import build_plan
+        >>> from smp.pipeline import build_plan, format_grid, parse_grid
         >>> plan = build_plan("gpipe", num_ranks=2, num_microbatches=2)
         >>> [str(a) for a in plan.actions[1]]
         ['1F0', '1F1', '1B0', '1B1']
-        >>> Plan.parse(str(plan)) == plan
+        >>> parse_grid(format_grid(plan)) == plan
         True
     """
 
@@ -106,17 +106,6 @@ class Plan:
         """This plan without its sends and receives."""
         return self.with_actions({r: [a for a in acts if a.is_compute] for r, acts in self.actions.items()})
 
-    def lowered(self, costs: Costs | None = None) -> Plan:
-        """This plan with explicit sends and receives, deadlock-free under blocking point-to-point.
-
-        Each send is placed right after the action that computes the value and its receive at the
-        same moment of a global order (the plan simulated with ``costs``, default unit costs), so
-        a send and its receive always meet. See `smp.pipeline.lowering`.
-        """
-        from smp.pipeline.lowering import lower
-
-        return lower(self, costs)
-
     def with_actions(self, actions: Mapping[int, Sequence[Action]], name: str | None = None) -> Plan:
         """A copy with other action lists (and optionally another name)."""
         return Plan(
@@ -130,26 +119,6 @@ class Plan:
         )
 
     # -- text -------------------------------------------------------------------------------------
-
-    def grid(self, marks: Mapping[tuple[int, int], str] | None = None) -> str:
-        """The time-step x rank grid; ``marks`` maps (rank, index) to a note and flags that cell."""
-        from smp.pipeline.grid import format_grid
-
-        return format_grid(self, marks)
-
-    def __str__(self) -> str:
-        return self.grid()
-
-    @classmethod
-    def parse(cls, text: str) -> Plan:
-        """Read a plan back from `grid` / ``str(plan)``.
-
-        Raises:
-            ScheduleError: naming the line that cannot be read.
-        """
-        from smp.pipeline.grid import parse_grid
-
-        return parse_grid(text)
 
     def orders(self) -> str:
         """One line per rank listing its compute actions, e.g. ``rank 1: F0 F1 B0 F2 B1 B2``.

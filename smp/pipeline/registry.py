@@ -27,6 +27,7 @@ from smp.errors import ScheduleError
 from smp.pipeline.actions import Action
 from smp.pipeline.chains import check_chain, looped_chain, vee_chain
 from smp.pipeline.costs import Costs
+from smp.pipeline.grid import format_grid
 from smp.pipeline.plan import Plan
 from smp.pipeline.schedules.one_f_one_b import build_1f1b, build_interleaved_1f1b
 from smp.pipeline.schedules.request import BuildRequest
@@ -104,7 +105,7 @@ def build_plan(
             under which ``interleaved`` reproduces SMP v1's documented order).
 
     Returns:
-        A validated compute-only `Plan` (``plan.lowered()`` adds the messages).
+        A validated compute-only `Plan` (``lower(plan)`` adds the messages).
 
     Raises:
         ScheduleError: an unknown name (listing the valid ones), bad inputs (all listed), or a cap
@@ -167,7 +168,7 @@ def build_plan(
         raise ScheduleError(
             f"{name!r} needs {held} microbatches in flight on some rank here but active_microbatches={cap}; "
             "raise active_microbatches, or use 'interleaved' or 'simple', which honour any cap\n\n"
-            + plan.grid()
+            + format_grid(plan)
         )
     validate_plan(plan)
     return plan

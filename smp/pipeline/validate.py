@@ -38,6 +38,7 @@ from smp.pipeline.actions import (
     ActionKind,
 )
 from smp.pipeline.chains import check_chain
+from smp.pipeline.grid import format_grid
 from smp.pipeline.plan import Plan
 from smp.pipeline.walk import walk
 
@@ -215,8 +216,8 @@ def validate_plan(plan: Plan) -> None:
         ScheduleError: when `check_plan` finds anything.
 
     Example:
-        >>> from smp.pipeline import Plan
-        >>> bad = Plan.parse('''
+        >>> from smp.pipeline import parse_grid
+        >>> bad = parse_grid('''
         ... plan custom ranks=2 microbatches=1 active=1 chain=0,1
         ... step rank0 rank1
         ... 0    0F0   1B0
@@ -242,7 +243,7 @@ def validate_plan(plan: Plan) -> None:
     }
     if plan.num_ranks >= 1 and all(0 <= r < plan.num_ranks for r in plan.actions):
         try:
-            lines += ["", plan.grid({k: "see above" for k in marks}).split("\n\n")[0]]
+            lines += ["", format_grid(plan, {k: "see above" for k in marks}).split("\n\n")[0]]
         except (IndexError, KeyError, ValueError):
             pass  # a plan too broken to draw: the list above says why
     raise ScheduleError("\n".join(lines))

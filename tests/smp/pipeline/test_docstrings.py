@@ -9,6 +9,7 @@ import pkgutil
 import pytest
 
 import smp.pipeline
+from smp.pipeline import format_grid
 
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(smp.pipeline.__path__, prefix="smp.pipeline.")
@@ -72,5 +73,5 @@ def test_grid_examples_are_what_the_code_prints(where: str, name: str, p: int, m
     holder = importlib.import_module(module)
     doc = (getattr(holder, func).__doc__ or "") + (holder.__doc__ or "")
     body = [line.strip() for line in doc.splitlines()]
-    for line in build_plan(name, p, m, **kwargs).grid().splitlines()[1:]:  # type: ignore[arg-type]
+    for line in format_grid(build_plan(name, p, m, **kwargs)).splitlines()[1:]:  # type: ignore[arg-type]
         assert line.strip() in body, f"{where}: docstring lacks {line!r}"

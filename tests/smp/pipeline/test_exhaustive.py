@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from smp.pipeline import SCHEDULES, Costs, Plan, check_plan, simulate
+from smp.pipeline import SCHEDULES, Costs, Plan, check_plan, lower, simulate
 from smp.pipeline.chains import linear_chain, looped_chain, vee_chain
 from smp.pipeline.schedules.request import BuildRequest
 
@@ -49,7 +49,7 @@ def test_every_builder_output_passes_the_validator(name: str) -> None:
                 if problems:
                     failures.append(f"{name} p={p} m={m} {chain_name}: {problems[0]}")
                 if m in LOWERED_MICROBATCHES:
-                    lowered = plan.lowered()
+                    lowered = lower(plan)
                     problems = check_plan(lowered)
                     if problems:
                         failures.append(f"{name} p={p} m={m} {chain_name} lowered: {problems[0]}")

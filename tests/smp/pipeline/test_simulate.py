@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from smp.errors import ScheduleError
-from smp.pipeline import Action, Costs, Plan, build_plan, simulate
+from smp.pipeline import Action, Costs, build_plan, parse_grid, simulate
 from smp.pipeline.greedy import run_rule
 from smp.pipeline.schedules.smp_v1 import InterleavedRule
 
@@ -50,7 +50,7 @@ def test_memory_counts_microbatches_and_bytes_per_segment() -> None:
 
 
 def test_split_backward_holds_until_w_and_forward_only_frees_at_once() -> None:
-    plan = Plan.parse("""
+    plan = parse_grid("""
 plan custom ranks=1 microbatches=2 active=2 chain=0
 step rank0
 0    0F0
