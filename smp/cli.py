@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -13,13 +14,36 @@ commands:
 """
 
 
-def _plan(argv: Sequence[str]) -> int:
-    if "--hf-config" in argv:
-        # Building a Hugging Face model on the meta device needs torch and transformers;
-        # that part lives in the torch frontend and is imported only here.
-        from smp.torch.hf_plan import main as hf_plan_main
+# Subcommand variants that need a framework live in a frontend. The core names them here by
+# import path ("module:function") and resolves the path with importlib only when the flag is given,
+# so `smp` never imports `smp.torch` (issue 10, item 4; tests/smp/test_import_graph.py). A frontend
+# (or a plugin) adds a variant with `register_plan_provider`.
+PLAN_PROVIDERS: dict[str, str] = {
+    # Building a Hugging Face model on the meta device needs torch and transformers.
+    "--hf-config": "smp.torch.hf_plan:main",
+}
 
-        return int(hf_plan_main(argv))
+
+def register_plan_provider(flag: str, target: str) -> None:
+    """Route ``smp plan <flag> ...`` to ``target`` ("package.module:function", imported lazily).
+
+    Example:
+        >>> register_plan_provider("--hf-config", "smp.torch.hf_plan:main")
+    """
+    PLAN_PROVIDERS[flag] = target
+
+
+def resolve_provider(target: str) -> Callable[[Sequence[str]], int]:
+    """Import ``"package.module:function"`` and return the function."""
+    module_name, _, attr = target.partition(":")
+    func: Callable[[Sequence[str]], int] = getattr(importlib.import_module(module_name), attr)
+    return func
+
+
+def _plan(argv: Sequence[str]) -> int:
+    for flag, target in PLAN_PROVIDERS.items():
+        if flag in argv:
+            return int(resolve_provider(target)(argv))
     from smp.pipeline.cli import main as plan_main
 
     return plan_main(argv)
