@@ -50,7 +50,8 @@ from .comm import (
     tp_rank,
     tp_size,
 )
-from .delayed import delay_param_initialization, model_creation
+from .creation import model_creation
+from .delayed import delay_param_initialization
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .patches.checkpoint import checkpoint

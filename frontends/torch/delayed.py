@@ -37,17 +37,16 @@ import hashlib
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-import smp.state as smp_state
 from smp.errors import SMPError
 
-__all__ = ["DelayedInitError", "DelayedPlan", "delay_param_initialization", "model_creation",
+__all__ = ["DelayedInitError", "DelayedPlan", "delay_param_initialization",
            "has_delayed_params", "pending_materialization", "plan_if_delayed", "attach_plan"]
 
 logger = logging.getLogger("smp")
@@ -104,35 +103,6 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         _CONTEXTS.pop()
         if patched:
             nn.Module.register_parameter = _ORIGINAL_REGISTER  # type: ignore[method-assign]
-
-
-@contextmanager
-def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None,
-                   **tensor_parallel_config: Any) -> Iterator[None]:
-    """Build a model for smp (SMP v1 ``smp.model_creation``).
-
-    Combines ``smp.tensor_parallelism(enabled=tensor_parallelism, **tensor_parallel_config)``,
-    `delay_param_initialization` (``enabled`` = the config's ``delayed_parameter_initialization``)
-    and ``torch.set_default_dtype(dtype)`` for the duration of the block.
-
-    Example:
-        >>> with model_creation(dtype=torch.float64):
-        ...     layer = nn.Linear(4, 4)
-        >>> layer.weight.dtype
-        torch.float64
-    """
-    from .tp.marking import tensor_parallelism as tp_context
-
-    cfg = smp_state.current().cfg
-    delayed = bool(getattr(cfg, "delayed_parameter_initialization", False)) if cfg is not None else False
-    with ExitStack() as stack:
-        stack.enter_context(tp_context(enabled=tensor_parallelism, **tensor_parallel_config))
-        stack.enter_context(delay_param_initialization(enabled=delayed))
-        if dtype is not None:
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            stack.callback(torch.set_default_dtype, previous)
-        yield
 
 
 def has_delayed_params(root: nn.Module) -> bool:
