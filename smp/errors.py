@@ -143,3 +143,10 @@ class PeerStalledError(CommTimeoutError, RemoteRankError):
 
 
 __all__ += ["PeerLostError", "PeerStalledError"]
+
+
+class LaunchError(SMPError, RuntimeError):
+    """The launch environment is incomplete (e.g. an MPI job without a way to rendezvous)."""
+
+
+__all__ += ["LaunchError"]

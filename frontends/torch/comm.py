@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import smp.state as smp_state
-from smp.errors import InvalidCommGroupError, NotInitializedError, SMPError
+from smp.errors import InvalidCommGroupError, NotInitializedError
 from smp.topology import GroupKind
 
+from .errors import DDPNotEnabledError
 from .failure import wait
 from .runtime import runtime
 
@@ -50,10 +51,6 @@ class RankType(IntEnum):
 
 
 WORLD, PP_GROUP, TP_GROUP, RDP_GROUP, DP_GROUP, MP_GROUP = tuple(CommGroup)
-
-
-class DDPNotEnabledError(SMPError, RuntimeError):
-    """A process-group getter that SMP v1 reserves for ``ddp: True`` was called without it."""
 
 
 def _kind(group: object) -> GroupKind:

@@ -15,17 +15,22 @@ from smp.errors import (
     TensorSplitError,
 )
 
-from .comm import DDPNotEnabledError
-from .launch import LaunchError
+from .errors import (
+    DDPNotEnabledError,
+    DistributedModelNotWrappedError,
+    DistributedOptimizerError,
+    LaunchError,
+    StepFunctionCalledError,
+)
+
+# The four DistributedModel errors still live in model.py (being split into rooms); they move to
+# `.errors` with that split.
 from .model import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
 )
-from .optimizer import DistributedOptimizerError
-from .recompute import DistributedModelNotWrappedError
-from .step import StepFunctionCalledError
 
 __all__ = [
     "BwdExecutionNotInStepFnError",

@@ -13,11 +13,8 @@ from typing import Any
 import torch
 
 import smp.state as smp_state
-from smp.errors import SMPError
 
-
-class DistributedOptimizerError(SMPError, RuntimeError):
-    """The optimizer was created before the DistributedModel, or holds foreign parameters."""
+from .errors import DistributedOptimizerError
 
 
 def _names(model: Any) -> dict[int, str]:

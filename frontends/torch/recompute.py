@@ -13,13 +13,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import smp.state as smp_state
-from smp.errors import SMPError
+
+from .errors import DistributedModelNotWrappedError
 
 STRATEGIES = ("each", "contiguous")
-
-
-class DistributedModelNotWrappedError(SMPError, RuntimeError):
-    """set_activation_checkpointing was called before smp.DistributedModel(...)."""
 
 
 def _wrap(module: nn.Module, preserve_rng_state: bool) -> None:

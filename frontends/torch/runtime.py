@@ -22,10 +22,10 @@ import torch.distributed as dist
 import smp.state as smp_state
 from smp.config import Config, resolve
 from smp.errors import NotInitializedError
+from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
-from .launch import Launch, detect
 
 logger = logging.getLogger("smp")
 

@@ -25,20 +25,17 @@ import torch
 
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
+from smp.pipeline.baton import Baton
 from smp.step import StepSpec, aggregate_outputs, split_arguments
 
-from .engine.order import Baton
 from .engine.wire import map_structure
+from .errors import StepFunctionCalledError
 from .step_output import StepOutput, TorchStepOps
 
 __all__ = ["StepOutput", "step"]
 
 logger = logging.getLogger("smp")
 _OPS = TorchStepOps()
-
-
-class StepFunctionCalledError(SMPError, RuntimeError):
-    """An ``@smp.step`` function was called from inside another one."""
 
 
 def _segment_costs(chain: list[int], per_rank: list[dict[tuple[str, int], float]]) -> Any:

@@ -62,19 +62,3 @@ def test_mpiexec_two_ranks() -> None:
     out = _run([os.path.join(BIN, "mpiexec"), "-n", "2", sys.executable, "examples/rank_map.py", "--pp", "2",
                 "--tp", "1"])
     _check(out, 2, 2, 1, "cluster")
-
-
-def test_detect_openmpi_and_mpich_environments() -> None:
-    from smp.torch.launch import detect
-
-    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}
-    launch = detect(env)
-    assert (launch.kind, launch.rank, launch.world_size, launch.local_rank, launch.local_size) == ("mpi", 3, 8, 1, 2)
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == ("3", "8", "1", "29500")
-    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-           "SMP_RENDEZVOUS_FILE": "/tmp/x"}
-    launch = detect(env)
-    assert (launch.kind, launch.rank, launch.init_method) == ("mpi", 1, "file:///tmp/x")
-    assert detect({}).kind == "single"
-    assert detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).kind == "torchrun"

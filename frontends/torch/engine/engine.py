@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from smp.errors import RemoteRankError, SMPError
+from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 
 from .. import failure
-from .order import BACKWARD, FORWARD, Baton
 from .wire import Message, Transport, pack, unpack
 
 logger = logging.getLogger("smp")

@@ -1,7 +1,9 @@
 """How this process was launched: torchrun, mpirun/mpiexec, an existing process group, or alone.
 
 The result says which rank this is, how many there are, and how to rendezvous. Nothing here
-creates a process group; `runtime.init` does, after the configuration is validated.
+creates a process group; the frontend's ``init`` does, after the configuration is validated.
+Framework-free: an existing process group comes in as ``dist_initialized`` / ``dist_rank`` /
+``dist_world``.
 """
 
 from __future__ import annotations
@@ -10,15 +12,12 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
-from smp.errors import SMPError
+from smp.errors import LaunchError
 
 RENDEZVOUS_FILE_ENV = "SMP_RENDEZVOUS_FILE"
 DEFAULT_PORT = 29500
-
-
-class LaunchError(SMPError, RuntimeError):
-    """The launch environment is incomplete (e.g. an MPI job without a way to rendezvous)."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,12 @@ def _mpi_rendezvous(env: MutableMapping[str, str], rank: int, size: int, local_s
         return _rendezvous(env)
     try:
         from mpi4py import MPI
+
+        world: Any = MPI.COMM_WORLD
     except ImportError:
-        MPI = None
-    if MPI is not None:
-        comm = MPI.COMM_WORLD
+        world = None
+    if world is not None:
+        comm = world
         addr = (socket.gethostname(), _free_port()) if rank == 0 else None
         host, port = comm.bcast(addr, root=0)
         env["MASTER_ADDR"], env["MASTER_PORT"] = host, str(port)
