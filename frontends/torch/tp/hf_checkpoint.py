@@ -78,23 +78,22 @@ def save_distributed(model: Any, path: str, **kwargs: Any) -> None:
     to global rank 0, which merges the stages and writes. Before the first step partitions the
     model every rank still holds every parameter, so pipeline stage 0 alone contributes.
     """
-    import smp.torch as smp
-    from smp.torch.comm import RankType, barrier, recv_from, send
+    from smp.torch.comm import RankType, barrier, pp_rank, pp_size, rank, rdp_rank, recv_from, send, tp_rank
 
     module = model.module
     _require_hf(module)
-    first_replica = smp.rdp_rank() == 0
+    first_replica = rdp_rank() == 0
     stage: dict[str, torch.Tensor] = {}
     if first_replica:
         if model.partitioned:
             local = model._local_state_tensors()
         else:
-            local = module.state_dict(keep_vars=True) if smp.pp_rank() == 0 else {}
+            local = module.state_dict(keep_vars=True) if pp_rank() == 0 else {}
         stage = gather_named(local, resolve_group(None))
-    if first_replica and smp.tp_rank() == 0:
-        if smp.rank() == 0:
+    if first_replica and tp_rank() == 0:
+        if rank() == 0:
             full = dict(stage)
-            for peer in range(1, smp.pp_size()):  # pp_rank order; a weight on two stages (tied) is taken once
+            for peer in range(1, pp_size()):  # pp_rank order; a weight on two stages (tied) is taken once
                 for name, t in recv_from(peer, RankType.PP_RANK).items():
                     full.setdefault(name, t)
             order = list(module.state_dict(keep_vars=True))
