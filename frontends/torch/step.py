@@ -26,6 +26,7 @@ import torch
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
 from smp.pipeline.baton import Baton
+from smp.pipeline.choose import rank_plan, segment_costs
 from smp.step import StepSpec, aggregate_outputs, split_arguments
 
 from .engine.wire import map_structure
@@ -36,55 +37,6 @@ __all__ = ["StepOutput", "step"]
 
 logger = logging.getLogger("smp")
 _OPS = TorchStepOps()
-
-
-def _segment_costs(chain: list[int], per_rank: list[dict[tuple[str, int], float]]) -> Any:
-    """Measured per-segment costs for the scheduler from every rank's (kind, ordinal) durations.
-
-    Segment s runs on rank chain[s]; its forward is that rank's ``ordinal``-th forward of a
-    microbatch (ordinal = earlier visits to the rank), its backward the rank's k-th backward with
-    k = later visits (backward walks the chain in reverse).
-    """
-    from smp.pipeline import Costs
-
-    forward, backward = [], []
-    for s, rank in enumerate(chain):
-        times = per_rank[rank]
-        f = times.get(("F", chain[:s].count(rank)))
-        b = times.get(("B", chain[s + 1:].count(rank)))
-        if f is None or b is None:
-            return None
-        forward.append(max(f, 1e-6))
-        backward.append(max(b, 1e-6))
-    return Costs(forward=forward, backward=backward, backward_weight=[b / 2 for b in backward])
-
-
-def _plan_for(cfg: Any, chain: list[int], has_backward: bool, pp_rank: int,
-              light: set[tuple[str, int]], costs: Any = None) -> tuple[list[tuple[str, int]], list[tuple[str, int]],
-                                                                       list[tuple[str, int]]]:
-    """This rank's plan as (kind, microbatch) pairs: the baton's actions, all actions, the light ones."""
-    from smp.pipeline import build_plan
-
-    section = cfg.pipeline_section()
-    name = section.schedule if has_backward else "_only_forward"
-    active = section.active_microbatches if has_backward else cfg.active_microbatches
-    plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active,
-                      costs=costs)
-    actions, every, lights = [], [], []
-    seen: dict[tuple[str, int], int] = {}
-    for a in plan.actions[pp_rank]:
-        kind = str(a.kind)
-        if kind == "W":  # autograd computes weight and input gradients together
-            continue
-        kind = "B" if kind in ("B", "I") else "F"
-        ordinal = seen.get((kind, a.microbatch), 0)
-        seen[(kind, a.microbatch)] = ordinal + 1
-        every.append((kind, a.microbatch))
-        if (kind, ordinal) in light:  # light actions run beside the baton holder
-            lights.append((kind, a.microbatch))
-        else:
-            actions.append((kind, a.microbatch))
-    return actions, every, lights
 
 
 class StepFunction:
@@ -140,8 +92,9 @@ class StepFunction:
         lights: list[tuple[str, int]] = []
         if recorded is not None:
             try:
-                plan, expected, lights = _plan_for(cfg, recorded[0], recorded[1], model._pp_rank, engine.light,
-                                                   model._plan_costs.get(key))
+                plan, expected, lights = rank_plan(cfg.pipeline_section(), recorded[0], recorded[1], model._pp_rank,
+                                                   engine.light, model._plan_costs.get(key),
+                                                   forward_active=cfg.active_microbatches)
             except SMPError as e:
                 logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
         # The first (recording) step runs one microbatch at a time: its order cannot depend on
@@ -173,7 +126,7 @@ class StepFunction:
                 # Light actions would issue TP collectives from a second thread, in an order that
                 # differs between peers: with TP every action takes the baton.
             engine.mark_light(per_rank[model._pp_rank] if cfg.tensor_parallel_degree == 1 else {})
-            model._plan_costs[key] = _segment_costs(list(info["chain"]), per_rank)
+            model._plan_costs[key] = segment_costs(list(info["chain"]), per_rank)
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)

@@ -1,0 +1,107 @@
+"""Choose a rank's executable plan: from the recorded chain and measured durations to (kind, microbatch) lists.
+
+An executor sees a rank's plan as ``(kind, microbatch)`` pairs with kind ``"F"`` or ``"B"``: a
+frontend's autograd computes weight and input gradients in one backward, so a plan's ``W`` actions
+vanish and its ``I`` actions become ``B``. An action is named by ``(kind, ordinal)`` when the
+chain visits a rank more than once: the ordinal counts earlier actions of that kind for the same
+microbatch on this rank. Actions measured as *light* run beside the baton holder instead of
+taking the baton.
+
+Example:
+    >>> from smp.config import PipelineSection
+    >>> section = PipelineSection(num_stages=2, num_microbatches=2, active_microbatches=None,
+    ...                           schedule="gpipe", virtual_stages=1)
+    >>> plan = rank_plan(section, [0, 1], True, 0, light={("B", 0)}, forward_active=2)
+    >>> plan.baton, plan.light
+    ([('F', 0), ('F', 1)], [('B', 0), ('B', 1)])
+    >>> segment_costs([0, 1, 0], [{("F", 0): 1.0, ("F", 1): 3.0, ("B", 0): 6.0, ("B", 1): 2.0},
+    ...                           {("F", 0): 2.0, ("B", 0): 4.0}]).forward
+    [1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
+
+from smp.config import PipelineSection
+from smp.pipeline.costs import Costs
+from smp.pipeline.registry import build_plan
+
+__all__ = ["RankPlan", "rank_plan", "segment_costs"]
+
+Step = tuple[str, int]
+
+
+class RankPlan(NamedTuple):
+    """One rank's plan as (kind, microbatch) pairs, in order."""
+
+    baton: list[Step]
+    """The actions that take the baton."""
+    every: list[Step]
+    """All actions: what the rank expects its microbatches to ask for."""
+    light: list[Step]
+    """The light actions (run beside the baton holder)."""
+
+
+def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool, pp_rank: int,
+              light: Collection[tuple[str, int]], costs: Costs | None = None, *,
+              forward_active: int) -> RankPlan:
+    """Rank ``pp_rank``'s plan for a step whose microbatches visit ``chain``.
+
+    Args:
+        section: the pipeline section of the config (schedule, stages, microbatches, cap).
+        chain: the ranks one microbatch visits in its forward (recorded on the first step).
+        has_backward: whether the step calls backward; a forward-only step runs ``_only_forward``.
+        pp_rank: the rank whose actions are returned.
+        light: this rank's light actions as (kind, ordinal) pairs.
+        costs: measured segment costs the dynamic rules are simulated with (`segment_costs`).
+        forward_active: the in-flight cap of a forward-only step (the config's
+            ``active_microbatches``, whatever the schedule).
+
+    Raises:
+        ScheduleError: the schedule cannot be built for this chain (the caller falls back to
+            SMP v1's dynamic order).
+    """
+    name = section.schedule if has_backward else "_only_forward"
+    active = section.active_microbatches if has_backward else forward_active
+    plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active,
+                      costs=costs)
+    baton: list[Step] = []
+    every: list[Step] = []
+    lights: list[Step] = []
+    seen: dict[Step, int] = {}
+    for a in plan.actions[pp_rank]:
+        kind = str(a.kind)
+        if kind == "W":  # autograd computes weight and input gradients together
+            continue
+        kind = "B" if kind in ("B", "I") else "F"
+        ordinal = seen.get((kind, a.microbatch), 0)
+        seen[(kind, a.microbatch)] = ordinal + 1
+        every.append((kind, a.microbatch))
+        if (kind, ordinal) in light:  # light actions run beside the baton holder
+            lights.append((kind, a.microbatch))
+        else:
+            baton.append((kind, a.microbatch))
+    return RankPlan(baton, every, lights)
+
+
+def segment_costs(chain: Sequence[int], per_rank: Sequence[Mapping[tuple[str, int], float]]) -> Costs | None:
+    """Per-segment costs from every rank's measured (kind, ordinal) durations, or None if one is missing.
+
+    Segment s runs on rank chain[s]; its forward is that rank's ``ordinal``-th forward of a
+    microbatch (ordinal = earlier visits to the rank), its backward the rank's k-th backward with
+    k = later visits (backward walks the chain in reverse). The weight-gradient part is taken as
+    half the backward. Durations are floored at 1 µs.
+    """
+    chain = list(chain)
+    forward, backward = [], []
+    for s, rank in enumerate(chain):
+        times = per_rank[rank]
+        f = times.get(("F", chain[:s].count(rank)))
+        b = times.get(("B", chain[s + 1:].count(rank)))
+        if f is None or b is None:
+            return None
+        forward.append(max(f, 1e-6))
+        backward.append(max(b, 1e-6))
+    return Costs(forward=forward, backward=backward, backward_weight=[b / 2 for b in backward])
