@@ -1,179 +1,71 @@
-"""The SMP v1 rank API and object communication (reference section 2.2).
+"""The SMP v1 rank API and object communication for PyTorch (reference section 2.2).
 
-Ranks: ``rank()``, ``pp_rank()``, ... and the groups as rank lists (``get_dp_group()``) or process
-groups (``get_dp_process_group()``). Objects: ``send``/``recv_from``/``broadcast`` (point to point,
-synchronous), ``allgather``/``gather``/``barrier`` (collective over a group). Every object travels
-pickled in a uint8 tensor; every wait has the communication timeout and stops when another rank
+Ranks: ``rank()``, ``pp_rank()``, ... and the groups as rank lists (``get_dp_group()``) come from the
+core (`smp.runtime.ranks`, re-exported here); the process groups (``get_dp_process_group()``) are
+torch's. Objects: ``send``/``recv_from``/``broadcast`` (point to point, synchronous),
+``allgather``/``gather``/``barrier`` (collective over a group). Every object travels pickled in a
+uint8 tensor; every wait has the communication timeout and stops when another rank
 fails (see failure.py).
 """
 
 from __future__ import annotations
 
 import pickle
-from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import smp.state as smp_state
-from smp.errors import InvalidCommGroupError, NotInitializedError
+from smp.runtime.ranks import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_mp_group,
+    get_pp_group,
+    get_rdp_group,
+    get_tp_group,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    num_microbatches,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
+from smp.runtime.ranks import group_kind as _kind
 from smp.topology import GroupKind
 
 from .errors import DDPNotEnabledError
 from .failure import wait
 from .runtime import runtime
 
+__all__ = [
+    "DP_GROUP", "MP_GROUP", "OBJECT_TAG", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",
+    "allgather", "barrier", "broadcast", "dp_barrier", "dp_rank", "dp_size", "gather", "get_dp_group",
+    "get_dp_process_group", "get_mp_group", "get_mp_process_group", "get_pp_group", "get_pp_process_group",
+    "get_rdp_group", "get_rdp_process_group", "get_tp_group", "get_tp_process_group", "get_world_process_group",
+    "local_rank", "local_size", "mp_barrier", "mp_rank", "mp_size", "num_microbatches", "pp_barrier", "pp_rank",
+    "pp_size", "rank", "rdp_barrier", "rdp_rank", "rdp_size", "recv_from", "send", "size", "tp_barrier",
+    "tp_rank", "tp_size",
+]
+
 # A tag of its own keeps object messages apart from the pipeline's tensor messages.
 OBJECT_TAG = 0x5EED
-
-
-class CommGroup(IntEnum):
-    """Communication groups (SMP v1 values)."""
-
-    WORLD = 0
-    PP_GROUP = 1
-    TP_GROUP = 2
-    RDP_GROUP = 3
-    DP_GROUP = 4
-    MP_GROUP = 5
-
-
-class RankType(IntEnum):
-    """How a peer rank number is read (SMP v1 values)."""
-
-    WORLD_RANK = 0
-    PP_RANK = 1
-    TP_RANK = 2
-    RDP_RANK = 3
-    DP_RANK = 4
-    MP_RANK = 5
-
-
-WORLD, PP_GROUP, TP_GROUP, RDP_GROUP, DP_GROUP, MP_GROUP = tuple(CommGroup)
-
-
-def _kind(group: object) -> GroupKind:
-    if isinstance(group, (CommGroup, RankType)):
-        return GroupKind(int(group))
-    raise InvalidCommGroupError(
-        f"invalid communication group {group!r}: use one of smp.WORLD, smp.PP_GROUP, smp.TP_GROUP, "
-        "smp.RDP_GROUP, smp.DP_GROUP, smp.MP_GROUP")
-
-
-def _coord() -> Any:
-    st = smp_state.current()
-    if st.rank_map is None:
-        raise NotInitializedError("smp is not initialised: call smp.init(config) first")
-    return st.rank_map.coord(st.rank)
-
-
-# --- ranks and sizes ----------------------------------------------------------------------------
-
-def rank() -> int:
-    return int(_coord().rank)
-
-
-def size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.world_size if rm else 1
-
-
-def local_rank() -> int:
-    _coord()
-    return smp_state.current().local_rank
-
-
-def local_size() -> int:
-    return smp_state.current().local_size if smp_state.current().rank_map else 1
-
-
-def pp_rank() -> int:
-    return int(_coord().pp_rank)
-
-
-def tp_rank() -> int:
-    return int(_coord().tp_rank)
-
-
-def rdp_rank() -> int:
-    return int(_coord().rdp_rank)
-
-
-def dp_rank() -> int:
-    return int(_coord().dp_rank)
-
-
-def mp_rank() -> int:
-    return int(_coord().mp_rank)
-
-
-def pp_size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.pp_size if rm else 1
-
-
-def tp_size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.tp_size if rm else 1
-
-
-def rdp_size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.rdp_size if rm else 1
-
-
-def dp_size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.dp_size if rm else 1
-
-
-def mp_size() -> int:
-    rm = smp_state.current().rank_map
-    return rm.mp_size if rm else 1
-
-
-def num_microbatches() -> int:
-    cfg = smp_state.current().cfg
-    return cfg.microbatches if cfg else 1
-
-
-# --- groups as rank lists ---------------------------------------------------------------------
-
-def _group_list(kind: GroupKind, **coords: int | None) -> list[int]:
-    st = smp_state.current()
-    c = _coord()
-    rm = st.rank_map
-    assert rm is not None
-    at = {"pp_rank": c.pp_rank, "tp_rank": c.tp_rank, "rdp_rank": c.rdp_rank}
-    if "dp_rank" in coords and coords["dp_rank"] is not None:
-        # A DP rank names a (tp, rdp) pair within this pipeline stage.
-        member = rm.group(GroupKind.DP, rank())[coords.pop("dp_rank") or 0]
-        mc = rm.coord(member)
-        at.update(tp_rank=mc.tp_rank, rdp_rank=mc.rdp_rank)
-    coords.pop("dp_rank", None)
-    at.update({k: v for k, v in coords.items() if v is not None})
-    return rm.group(kind, rm.rank_of(at["pp_rank"], at["tp_rank"], at["rdp_rank"]))
-
-
-def get_pp_group(dp_rank: int | None = None) -> list[int]:
-    return _group_list(GroupKind.PP, dp_rank=dp_rank)
-
-
-def get_tp_group(pp_rank: int | None = None, rdp_rank: int | None = None) -> list[int]:
-    return _group_list(GroupKind.TP, pp_rank=pp_rank, rdp_rank=rdp_rank)
-
-
-def get_rdp_group(pp_rank: int | None = None, tp_rank: int | None = None) -> list[int]:
-    return _group_list(GroupKind.RDP, pp_rank=pp_rank, tp_rank=tp_rank)
-
-
-def get_dp_group(pp_rank: int | None = None) -> list[int]:
-    return _group_list(GroupKind.DP, pp_rank=pp_rank)
-
-
-def get_mp_group(rdp_rank: int | None = None) -> list[int]:
-    return _group_list(GroupKind.MP, rdp_rank=rdp_rank)
 
 
 # --- process groups -----------------------------------------------------------------------------
