@@ -113,9 +113,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
                                 world_size=launch.world_size, timeout=timeout)
     store = _default_store()
     rt = TorchRuntime(launch, backend, device, owns, store)
-    channel = failure.FailureChannel(dist.PrefixStore("smp", store) if store is not None else None, launch.rank,
-                                     float(cfg.comm_timeout), describe=lambda r: _describe(rank_map, r))
-    failure.set_channel(channel)
+    channel = failure.open_channel(store, launch.rank, float(cfg.comm_timeout),
+                                   describe=lambda r: _describe(rank_map, r))
     channel.install_excepthook()
     if store is not None and launch.world_size > 1:
         channel.start_heartbeat(_neighbours(rank_map, launch.rank), _heartbeat_store(store))
