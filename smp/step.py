@@ -31,15 +31,15 @@ leaf a plain list of the per-microbatch values; zero microbatches give None.
 
 from __future__ import annotations
 
-import copy
 import enum
 import inspect
 import logging
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from smp.errors import StepOutputError, TensorSplitError
+from smp.structure import is_namedtuple, rebuild_mapping, rebuild_sequence
 
 __all__ = ["StepOps", "StepSpec", "aggregate_outputs", "split_arguments"]
 
@@ -267,43 +267,11 @@ class StepSpec:
 
 
 # ----------------------------------------------------------------------------------------------
-# Rebuilding containers with their own types
-
-
-def _is_namedtuple(x: object) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _rebuild_sequence(template: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
-    if type(template) is list:
-        return items
-    if type(template) is tuple:
-        return tuple(items)
-    if _is_namedtuple(template):
-        return type(template)(*items)
-    if isinstance(template, list):
-        out = copy.copy(template)  # keeps attributes of list subclasses whose __init__ differs
-        out[:] = items
-        return out
-    return type(template)(items)  # tuple subclasses (torch.Size, structseqs) take one iterable
-
-
-def _rebuild_mapping(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    if type(template) is dict:
-        return items
-    if isinstance(template, MutableMapping):
-        # OrderedDict, defaultdict (its default_factory), UserDict subclasses such as HF's
-        # BatchEncoding (their attributes): copy the container, then put the new values in.
-        out = copy.copy(template)
-        for key, value in items.items():
-            out[key] = value
-        return out
-    # Read-only mappings (e.g. types.MappingProxyType) are built from a dict.
-    return cast(Callable[[dict[Any, Any]], Any], type(template))(items)
+# Paths of nested values (containers are rebuilt by smp.structure)
 
 
 def _child_path(path: str, key: object, template: object) -> str:
-    if _is_namedtuple(template):
+    if is_namedtuple(template):
         return f"{path}.{type(template)._fields[key]}"  # type: ignore[attr-defined]
     return f"{path}[{key!r}]"
 
@@ -335,13 +303,13 @@ class _Splitter:
             children = [self.walk(c, _child_path(path, i, x)) for i, c in enumerate(x)]
             if all(c is None for c in children):
                 return None
-            return [_rebuild_sequence(x, [x[i] if c is None else c[mb] for i, c in enumerate(children)])
+            return [rebuild_sequence(x, [x[i] if c is None else c[mb] for i, c in enumerate(children)])
                     for mb in range(n)]
         if isinstance(x, Mapping):
             kids = {k: self.walk(v, _child_path(path, k, x)) for k, v in x.items()}
             if all(c is None for c in kids.values()):
                 return None
-            return [_rebuild_mapping(x, {k: x[k] if c is None else c[mb] for k, c in kids.items()})
+            return [rebuild_mapping(x, {k: x[k] if c is None else c[mb] for k, c in kids.items()})
                     for mb in range(n)]
         if isinstance(x, _SETS):
             members = list(x)
@@ -484,14 +452,14 @@ def _aggregate(values: list[Any], path: str, ops: StepOps, make_step_output: Cal
         for mb, v in enumerate(values[1:], 1):
             if not isinstance(v, Mapping) or set(v.keys()) != set(template.keys()):
                 raise _mismatch(path, mb, _describe(template), _describe(v))
-        return _rebuild_mapping(template, {
+        return rebuild_mapping(template, {
             k: _aggregate([v[k] for v in values], _child_path(path, k, template), ops, make_step_output)
             for k in template})
     if isinstance(template, (list, tuple)):
         for mb, v in enumerate(values[1:], 1):
             if type(v) is not type(template) or len(v) != len(template):
                 raise _mismatch(path, mb, _describe(template), _describe(v))
-        return _rebuild_sequence(template, [
+        return rebuild_sequence(template, [
             _aggregate([v[i] for v in values], _child_path(path, i, template), ops, make_step_output)
             for i in range(len(template))])
     for mb, v in enumerate(values[1:], 1):

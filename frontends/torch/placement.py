@@ -25,8 +25,7 @@ from smp.partition import (
     exclusive_compute,
     partition_tree,
 )
-
-from .engine.wire import map_structure
+from smp.structure import map_structure
 
 # Module -> partition index of the innermost `smp.partition` block it was created in.
 _created: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()

@@ -28,8 +28,8 @@ from smp.errors import NotInitializedError, SMPError
 from smp.pipeline.baton import Baton
 from smp.pipeline.choose import rank_plan, segment_costs
 from smp.step import StepSpec, aggregate_outputs, split_arguments
+from smp.structure import map_structure
 
-from .engine.wire import map_structure
 from .errors import StepFunctionCalledError
 from .step_output import StepOutput, TorchStepOps
 

@@ -13,11 +13,13 @@ import pickle
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from smp import structure
 
 from ..failure import wait
 
@@ -34,28 +36,12 @@ class Slot:
 
 
 def map_structure(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    """Apply ``leaf`` to every non-container value of nested tuples, lists, dicts and dataclasses.
+    """Apply ``leaf`` to every tensor, `Slot` and other leaf of ``obj`` (the core's container rules, smp.structure)."""
+    return structure.map_structure(obj, leaf, is_leaf=_is_leaf)
 
-    Container types are kept (namedtuples, OrderedDict, Hugging Face ``ModelOutput``).
-    """
-    if isinstance(obj, (Slot, torch.Tensor)):
-        return leaf(obj)
-    if isinstance(obj, tuple):
-        items = [map_structure(x, leaf) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [map_structure(x, leaf) for x in obj]
-    if isinstance(obj, dict):
-        mapped = {k: map_structure(v, leaf) for k, v in obj.items()}
-        if type(obj) is dict:
-            return mapped
-        try:
-            return type(obj)(**mapped) if is_dataclass(obj) else type(obj)(mapped)
-        except TypeError:
-            return mapped
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: map_structure(getattr(obj, f.name), leaf) for f in fields(obj)})
-    return leaf(obj)
+
+def _is_leaf(x: object) -> bool:
+    return isinstance(x, (Slot, torch.Tensor))
 
 
 def pack(obj: Any) -> tuple[Any, list[torch.Tensor]]:

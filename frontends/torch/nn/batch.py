@@ -85,7 +85,7 @@ class BatchScaled(nn.Module):
 
 
 def _leaves(obj: Any) -> list[torch.Tensor]:
-    from smp.torch.engine.wire import map_structure
+    from smp.structure import map_structure
 
     found: list[torch.Tensor] = []
     map_structure(obj, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)
@@ -102,7 +102,7 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
     ``[1, S]``, masks broadcast over the batch) are passed unchanged. Every TP rank must call with
     the same shapes; otherwise a `TPShardingError` says which sizes differ.
     """
-    from smp.torch.engine.wire import map_structure
+    from smp.structure import map_structure
 
     group = resolve_group(process_group)
     t = group_size(group)
@@ -135,7 +135,7 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
 def unscale_outputs(out: Any, batch: int | None, process_group: Any = None) -> Any:
     """This rank's part of every output tensor whose first dimension is the scaled batch
     (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole."""
-    from smp.torch.engine.wire import map_structure
+    from smp.structure import map_structure
 
     group = resolve_group(process_group)
     t = group_size(group)
