@@ -109,8 +109,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         dist.init_process_group("gloo" if backend == "gloo" else backend, store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=timeout)
     elif owns:
-        dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
+        _init_default_group(backend, launch, timeout)
     store = _default_store()
     rt = TorchRuntime(launch, backend, device, owns, store)
     channel = failure.open_channel(store, launch.rank, float(cfg.comm_timeout),
@@ -132,6 +131,32 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         logger.info("initialised: %d rank(s) via %s, pp=%d tp=%d rdp=%d, placement %s, backend %s",
                     launch.world_size, launch.kind, rank_map.pp_size, rank_map.tp_size, rank_map.rdp_size,
                     rank_map.placement, backend)
+
+
+# Note [re-init]: the rendezvous store of this process's first `init`, kept for later ones, and how
+# many inits ran. torch names the default group and the groups of `new_group` by counters that
+# `destroy_process_group` resets, and a second rendezvous under torchrun reaches the agent's store
+# again under the same prefix: a second `init` after `reset()` found the first one's gloo keys and
+# hung (or one rank connected to the old addresses). Every later init therefore rendezvouses
+# through the first store under a prefix of its own (`smp/init<N>`); all ranks run the same
+# sequence of init/reset calls, so N agrees. Holding the store also keeps rank 0's TCPStore server
+# alive for the peers between a reset and the next init.
+_FIRST_STORE: list[Any] = []
+_INITS = [0]
+
+
+def _init_default_group(backend: str, launch: Launch, timeout: timedelta) -> None:
+    """Create the default process group; see Note [re-init]."""
+    _INITS[0] += 1
+    if not _FIRST_STORE:
+        dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+        store = _default_store()
+        if store is not None:
+            _FIRST_STORE.append(store)
+        return
+    dist.init_process_group(backend, store=dist.PrefixStore(f"smp/init{_INITS[0]}", _FIRST_STORE[0]),
+                            rank=launch.rank, world_size=launch.world_size, timeout=timeout)
 
 
 def _describe(rank_map: RankMap, rank: int) -> str:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
+import torch
 
 from tests.helpers.spawn import RankFailure, run_ranks
+from tests.torch import zoo
 
 
 def test_single_process_init_and_rank_api() -> None:
@@ -203,6 +206,50 @@ def _finish_early_on_rank_0() -> str:
 
 def test_a_rank_that_finished_normally_is_not_reported_dead() -> None:
     assert run_ranks(_finish_early_on_rank_0, 2, timeout=90) == ["done", "ok"]
+
+
+def _train_mlp(config: dict) -> list[float]:
+    import smp.torch as smp
+    import torch
+
+    from tests.torch import zoo
+
+    smp.init({"microbatches": 2, "auto_partition": False, "default_partition": 0, "comm_timeout": 60.0,
+              **config})
+    net = zoo.build("mlp")
+    model = smp.DistributedModel(net)
+    net.place(smp.pp_size(), smp.set_partition)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    step = zoo.train_step("mlp")
+    losses = []
+    for x, y in zoo.batches("mlp", 2):
+        opt.zero_grad()
+        losses.append(step(model, x, y).reduce_mean().item())
+        opt.step()
+    return losses
+
+
+def _reinit_after_reset() -> list[list[float]]:
+    import smp.torch as smp
+
+    runs = []
+    for config in ({"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 1, "ddp": True},
+                   {"pipeline_parallel_degree": 2}):
+        runs.append(_train_mlp(config))
+        smp.reset()
+        if os.environ["RANK"] == "0":
+            time.sleep(2.0)  # rank 1 reaches the next init (and its heartbeat) first
+    return runs
+
+
+def test_init_after_reset_runs_again_in_the_same_processes() -> None:
+    """Note [re-init]: a second init used to find the first one's store keys (same group names) and
+    hang, and a peer read the reset's exit mark as "rank 0 left the job"."""
+    ref, _ = zoo.reference("mlp", steps=2)
+    for runs in run_ranks(_reinit_after_reset, 2, timeout=120):
+        assert runs[0] == runs[2]  # the same run again, in new process groups
+        for losses in runs:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
 def _raise_everywhere() -> None:
