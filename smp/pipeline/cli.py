@@ -35,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="smp plan",
         description="Build, validate, simulate and draw a pipeline plan (no torch needed).",
-        epilog="schedules:\n" + schedules,
+        epilog="schedules:\n" + schedules + "\n\nsmp plan --hf-config CONFIG.json --pp N [--tp N] ...: partition a "
+               "Hugging Face model from its config alone (needs torch and transformers; "
+               "`smp plan --hf-config x --help` lists its options)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (pipeline_parallel_degree)")

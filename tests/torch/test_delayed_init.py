@@ -110,13 +110,7 @@ def _train_gpt(pp: int, auto: bool = False) -> dict[str, Any]:
         net.place(pp, smp.set_partition)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
-    train_step = zoo.train_step("gpt")
-
-    losses = []
-    for x, y in zoo.batches("gpt", 2):
-        opt.zero_grad()
-        losses.append(train_step(model, x, y).reduce_mean().item())
-        opt.step()
+    losses = zoo.train_losses(model, opt, zoo.train_step("gpt"), zoo.batches("gpt", 2))
     local = {n for n, _ in model.local_named_parameters()}
     sizes = {n: p.numel() for n, p in net.named_parameters()}
     return {"losses": losses, "local": local, "sizes": sizes, "tied": net.head.weight is net.tok.weight,

@@ -47,13 +47,7 @@ def _setup(resume: tuple[str, str | None] | None = None) -> tuple[Any, Any, Any,
 
 def _train(steps: range, model: Any, opt: Any, train_step: Any) -> list[float]:
     data = zoo.batches("gpt", 6)
-    losses = []
-    for i in steps:
-        x, y = data[i]
-        opt.zero_grad()
-        losses.append(train_step(model, x, y).reduce_mean().item())
-        opt.step()
-    return losses
+    return zoo.train_losses(model, opt, train_step, [data[i] for i in steps])
 
 
 def _kill_while_writing(name: str) -> None:

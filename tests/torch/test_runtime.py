@@ -220,13 +220,7 @@ def _train_mlp(config: dict) -> list[float]:
     model = smp.DistributedModel(net)
     net.place(smp.pp_size(), smp.set_partition)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    step = zoo.train_step("mlp")
-    losses = []
-    for x, y in zoo.batches("mlp", 2):
-        opt.zero_grad()
-        losses.append(step(model, x, y).reduce_mean().item())
-        opt.step()
-    return losses
+    return zoo.train_losses(model, opt, zoo.train_step("mlp"), zoo.batches("mlp", 2))
 
 
 def _reinit_after_reset() -> list[list[float]]:

@@ -179,6 +179,16 @@ def train_step(kind: str) -> Any:
     return step
 
 
+def train_losses(model: Any, opt: Any, step: Any, data: Any) -> list[float]:
+    """The SMP v1 training loop over ``data`` (``(x, y)`` pairs): each step's mean loss over microbatches."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        losses.append(step(model, x, y).reduce_mean().item())
+        opt.step()
+    return losses
+
+
 def hf_train_step() -> Any:
     """The same for a Hugging Face causal LM called with ``labels`` (the loss it computes)."""
     import smp.torch as smp
