@@ -1,15 +1,10 @@
-"""The file layer of SMP v1 checkpoints: atomic writes, partial-file names, the save_checkpoint layout.
+"""The file layer of SMP v1 checkpoints: atomic torch writes, the save_checkpoint layout, reading back.
 
 Pure file and format logic; `smp.save` / `smp.load` / `smp.save_checkpoint` /
 `smp.resume_from_checkpoint` decide which ranks call what (reference sections 3.12 and 11.2) and
 call this module. Nothing here communicates.
 
-``smp.save(obj, f, partial=True)`` names (`partial_name`, `find_partial`)::
-
-    f"{f}_{pp_rank}_{tp_rank}.pt"               SMP >= 1.6
-    f"{f}_{pp_rank}_{tp_rank}_{rdp_rank}.pt"    v3=True (sharded optimizer state)
-    f"{f}_{mp_rank}"                            before 1.6 (no TP, so mp_rank == pp_rank)
-    f"{f}_{pp_rank}_{tp_rank}"                  before 1.10, read with back_compat=True
+``smp.save(obj, f, partial=True)`` file names and rank infos: `smp.checkpoint.names`.
 
 ``save_checkpoint(path, tag)`` layout::
 
@@ -76,12 +71,13 @@ from smp.checkpoint import (
     verify_file,
     write_manifest,
 )
+from smp.checkpoint.names import rank_info
 from smp.errors import SMPCheckpointError
 
 __all__ = [
     "NEWEST", "TEMP_SUFFIX", "atomic_save", "atomic_write_text", "check_tag", "commit_partial_checkpoint", "detect_rankinfo",
-    "find_partial", "full_model_path", "full_user_content_path", "load_file", "partial_candidates", "partial_dir",
-    "partial_name", "prepare_partial_checkpoint", "rank_info", "read_full_checkpoint", "read_newest",
+    "full_model_path", "full_user_content_path", "load_file", "partial_dir",
+    "prepare_partial_checkpoint", "read_full_checkpoint", "read_newest",
     "read_partial_checkpoint", "write_full_checkpoint", "write_partial_checkpoint",
 ]
 
@@ -163,92 +159,7 @@ def load_file(path: str, what: str, fix: str, manifest: Manifest | None = None, 
 
 
 # ----------------------------------------------------------------------------------------------
-# smp.save / smp.load names
-
-
-def partial_name(f: str, pp_rank: int, tp_rank: int, rdp_rank: int | None = None) -> str:
-    """The file ``smp.save(obj, f, partial=True)`` writes on a rank (``v3`` when ``rdp_rank`` is given).
-
-    Example:
-        >>> partial_name("ckpt/model", 1, 0), partial_name("ckpt/model", 1, 0, 3)
-        ('ckpt/model_1_0.pt', 'ckpt/model_1_0_3.pt')
-    """
-    if rdp_rank is None:
-        return f"{f}_{pp_rank}_{tp_rank}.pt"
-    return f"{f}_{pp_rank}_{tp_rank}_{rdp_rank}.pt"
-
-
-def partial_candidates(f: str, pp_rank: int, tp_rank: int, rdp_rank: int | None = None, *,
-                       mp_rank: int | None = None, back_compat: bool = False) -> list[str]:
-    """The names `find_partial` tries, in order.
-
-    Current names first: 3-part (when ``rdp_rank`` is given), 2-part, then the pre-1.6 1-part
-    ``f"{f}_{mp_rank}"``. Those older jobs had no tensor parallelism, so ``mp_rank`` defaults to
-    ``pp_rank`` when ``tp_rank == 0``; with ``tp_rank > 0`` the 1-part name is tried only for an
-    explicit ``mp_rank``.
-
-    ``back_compat=True`` reads files saved before SMP 1.10, which appended the rank suffix without
-    adding ``.pt`` (users passed ``f="name.pt"`` and got ``name.pt_<pp>_<tp>``): those names are
-    tried first, then the current ones.
-
-    Example:
-        >>> partial_candidates("m", 1, 0, 2)
-        ['m_1_0_2.pt', 'm_1_0.pt', 'm_1']
-        >>> partial_candidates("m.pt", 1, 0, back_compat=True)
-        ['m.pt_1_0', 'm.pt_1', 'm.pt_1_0.pt']
-    """
-    if mp_rank is None and tp_rank == 0:
-        mp_rank = pp_rank
-    one_part = [f"{f}_{mp_rank}"] if mp_rank is not None else []
-    current = ([partial_name(f, pp_rank, tp_rank, rdp_rank)] if rdp_rank is not None else [])
-    current.append(partial_name(f, pp_rank, tp_rank))
-    if not back_compat:
-        return current + one_part
-    legacy = ([f"{f}_{pp_rank}_{tp_rank}_{rdp_rank}"] if rdp_rank is not None else [])
-    legacy.append(f"{f}_{pp_rank}_{tp_rank}")
-    names = legacy + one_part + current
-    return list(dict.fromkeys(names))
-
-
-def find_partial(f: str, pp_rank: int, tp_rank: int, rdp_rank: int | None = None, *,
-                 mp_rank: int | None = None, back_compat: bool = False) -> str:
-    """The partial file of this rank that exists on disk (``smp.load(f, partial=True)``).
-
-    Tries `partial_candidates` in order and returns the first that is a file.
-
-    Raises:
-        SMPCheckpointError: none exists; the message lists every name looked for.
-
-    Example:
-        >>> import tempfile
-        >>> f = os.path.join(tempfile.mkdtemp(), "model")
-        >>> _ = atomic_save({}, partial_name(f, 0, 1))
-        >>> find_partial(f, 0, 1, rdp_rank=2) == partial_name(f, 0, 1)
-        True
-    """
-    candidates = partial_candidates(f, pp_rank, tp_rank, rdp_rank, mp_rank=mp_rank, back_compat=back_compat)
-    for name in candidates:
-        if os.path.isfile(name):
-            return name
-    hint = "" if back_compat else "; files saved before SMP 1.10 need back_compat=True"
-    raise SMPCheckpointError(
-        f"no partial checkpoint for pp_rank={pp_rank}, tp_rank={tp_rank}, rdp_rank={rdp_rank} from f={f!r}: "
-        f"looked for {candidates}. Fix: pass the same f as smp.save(..., partial=True) and load with the same "
-        f"pipeline/tensor parallel degrees{hint}")
-
-
-# ----------------------------------------------------------------------------------------------
 # save_checkpoint layout
-
-
-def rank_info(pp_rank: int, tp_rank: int, rdp_rank: int | None = None) -> str:
-    """The ``<rankinfo>`` of file names in a ``_partial`` directory.
-
-    Example:
-        >>> rank_info(1, 0), rank_info(1, 0, 2)
-        ('1_0', '1_0_2')
-    """
-    return f"{pp_rank}_{tp_rank}" if rdp_rank is None else f"{pp_rank}_{tp_rank}_{rdp_rank}"
 
 
 def check_tag(tag: object) -> str:

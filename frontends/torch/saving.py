@@ -17,6 +17,7 @@ from typing import Any
 
 import smp
 import smp.state as smp_state
+from smp.checkpoint.names import find_partial, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
 from . import checkpoint_files as files
@@ -75,7 +76,7 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle, pi
     """``torch.save`` for smp: ``partial=True`` writes ``f"{f}_{pp}_{tp}.pt"`` (``_{rdp}`` with v3) on each
     calling rank; ``partial=False`` writes ``f`` on rank 0 only. Writes are atomic."""
     if partial:
-        name = files.partial_name(f, pp_rank(), tp_rank(), rdp_rank() if v3 else None)
+        name = partial_name(f, pp_rank(), tp_rank(), rdp_rank() if v3 else None)
         files.atomic_save(obj, name, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
     elif rank() == 0:
         files.atomic_save(obj, f, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
@@ -89,7 +90,7 @@ def load(f: str, map_location: Any = None, pickle_module: Any = None, partial: b
     `SMPCheckpointError` naming it on this rank, and the other ranks learn of it through the failure
     protocol when they next wait on this one.
     """
-    path = files.find_partial(f, pp_rank(), tp_rank(), rdp_rank(), back_compat=back_compat) if partial else f
+    path = find_partial(f, pp_rank(), tp_rank(), rdp_rank(), back_compat=back_compat) if partial else f
     extra = {"pickle_module": pickle_module} if pickle_module is not None else {}
     fix = (f"save it again (smp.save(obj, {f!r}, partial={partial}) on the same ranks), or load another file"
            + ("" if partial else "; a file written with partial=True loads with partial=True"))
@@ -133,7 +134,7 @@ def _save_partial(what: str, path: str, tag: str, st: Any, model: Any, optimizer
     _, ids = _agree(what, rank() == 0, lambda: files.prepare_partial_checkpoint(path, tag), share=lambda sid: sid)
     save_id = ids[0]
     writer = rdp_rank() == 0
-    info = files.rank_info(pp_rank(), tp_rank())
+    info = rank_info(pp_rank(), tp_rank())
 
     def write() -> Any:
         cfg = st.cfg.as_dict() if st.cfg is not None else None

@@ -1,6 +1,7 @@
 """Framework-free checkpoint mechanics: atomic files, per-save manifests, the commit of a save directory.
 
-The SMP v1 layout and the torch serialisation live in the frontends (``smp.torch.checkpoint_files``);
+`names` holds the SMP v1 file names. The save_checkpoint layout and the torch serialisation live in
+the frontends (``smp.torch.checkpoint_files``);
 they pass their writers in as callables (``write(file)``) and read back through `verify_file`.
 """
 

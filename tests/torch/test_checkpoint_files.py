@@ -24,12 +24,8 @@ from smp.torch.checkpoint_files import (
     atomic_write_text,
     commit_partial_checkpoint,
     detect_rankinfo,
-    find_partial,
-    partial_candidates,
     partial_dir,
-    partial_name,
     prepare_partial_checkpoint,
-    rank_info,
     read_full_checkpoint,
     read_newest,
     read_partial_checkpoint,
@@ -38,6 +34,7 @@ from smp.torch.checkpoint_files import (
 )
 
 import smp
+from smp.checkpoint.names import find_partial, partial_candidates, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]
