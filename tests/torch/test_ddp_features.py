@@ -30,6 +30,19 @@ class Net(nn.Module):
         return self.tail(torch.tanh(self.head(self.norm(x))))
 
 
+def _mse_step() -> Any:
+    """The SMP v1 step these tests run: MSE loss, ``model.backward``, the loss."""
+    import smp.torch as smp
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _data(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     # The replicas' inputs differ in mean, so their BatchNorm statistics differ too.
@@ -54,11 +67,7 @@ def _timeline() -> dict[str, Any]:
     model = smp.DistributedModel(net)
     smp.set_partition(net.tail, 1)
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step()
 
     train_step(model, *_data(0, 0))
     first = model.step_timeline()
@@ -110,11 +119,7 @@ def _accumulating() -> dict[str, Any]:
     model = smp.DistributedModel(Net(), backward_passes_per_step=2)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step()
 
     grads, params = [], []
     for i in range(4):
@@ -173,11 +178,7 @@ def _buffers(broadcast: bool) -> list[dict[str, torch.Tensor]]:
     model = smp.DistributedModel(Net(norm=True), broadcast_buffers=broadcast)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step()
 
     after = []
     for i in range(3):
