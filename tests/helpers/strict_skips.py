@@ -9,7 +9,7 @@ strict mode (a developer's partial venv) every skip stays a skip.
 
 Example (what a broken venv prints under ``bash scripts/test.sh``)::
 
-    FAILED tests/torch/test_tp_marking.py::test_hf_marking - skipped in the README's test
+    FAILED tests/torch/tp/test_tp_marking.py::test_hf_marking - skipped in the README's test
     environment: could not import 'transformers': transformers is pinned in requirements/dev.txt ...
 """
 

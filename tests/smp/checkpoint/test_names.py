@@ -1,4 +1,5 @@
-"""smp.checkpoint.names: the docstring examples (the names themselves are tested in tests/torch/test_checkpoint_files.py)."""
+"""smp.checkpoint.names: the docstring examples (the names themselves are tested in
+tests/torch/checkpointing/test_checkpoint_files.py)."""
 
 from __future__ import annotations
 

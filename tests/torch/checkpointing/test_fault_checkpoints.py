@@ -233,8 +233,8 @@ def test_smp_load_of_a_truncated_partial_file_names_it_on_every_rank(killed: tup
 
 def _dense_after_one_step() -> dict[str, torch.Tensor]:
     """The Llama of test_tp_distributed_model in one process, after one SGD step on the global batch."""
-    from tests.torch.test_tp_distributed_model import _data
-    from tests.torch.test_tp_hf import _model
+    from tests.torch.tp.test_tp_distributed_model import _data
+    from tests.torch.tp.test_tp_hf import _model
 
     ref = _model("llama")
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -248,8 +248,8 @@ def _full_states(pp: int, tp: int, rdp: int, path: str) -> dict[str, Any]:
     import smp.torch as smp
     from smp.torch.nn import full_state_dict
 
-    from tests.torch.test_tp_distributed_model import _data
-    from tests.torch.test_tp_hf import _model
+    from tests.torch.tp.test_tp_distributed_model import _data
+    from tests.torch.tp.test_tp_hf import _model
 
     smp.init({"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "ddp": True, "microbatches": 2,
               "auto_partition": False, "default_partition": 0, "comm_timeout": TIMEOUT})

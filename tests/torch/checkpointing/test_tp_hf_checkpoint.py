@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers.spawn import run_ranks
 from tests.torch import zoo
-from tests.torch.test_tp_hf import _batch, _model
+from tests.torch.tp.test_tp_hf import _batch, _model
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ from tests.helpers.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-from tests.torch.test_tp_hf import _model  # noqa: E402 - needs transformers
+from tests.torch.tp.test_tp_hf import _model  # noqa: E402 - needs transformers
 
 SEQS = 8
 BEFORE, AFTER = 2, 2  # steps before the checkpoint, steps after resuming

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from smp.torch.hf_plan import estimate_tree, load_config, main, parse_size, plan_hf_model  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "hf_configs")
 # Published parameter counts (model cards / config sums).
 PUBLISHED = {"gpt-neox-20b": 20.55e9, "llama-2-70b": 68.98e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.70e9}
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.spawn import run_ranks
-from tests.torch.test_tp_hf import _model
+from tests.torch.tp.test_tp_hf import _model
 
 STEPS = 3
 SEQS = 8

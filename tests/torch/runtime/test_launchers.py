@@ -12,7 +12,7 @@ import pytest
 
 from smp.topology import GroupKind, RankMap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BIN = os.path.dirname(sys.executable)
 LINE = re.compile(r"rank (\d+): pp=(\d+) tp=(\d+) rdp=(\d+) dp=(\d+) mp=(\d+) \| TP (\[.*?\]) PP (\[.*?\]) "
                   r"RDP (\[.*?\]) DP (\[.*?\]) MP (\[.*?\])")

@@ -37,7 +37,7 @@ import smp
 from smp.checkpoint.names import find_partial, partial_candidates, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def temp_files(directory: Path) -> list[str]:
