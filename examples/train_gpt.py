@@ -123,7 +123,7 @@ def main() -> None:
     with open(os.path.join(args.out, "timeline.trace.json"), "w", encoding="utf-8") as f:
         f.write(render_chrome_trace(timeline))
     loss_svg(losses, os.path.join(args.out, "loss.svg"))
-    chain = model._plans and next(iter(model._plans.values()))[0]
+    chain = model.plans and next(iter(model.plans.values())).chain
     plan = build_plan(args.pipeline, smp.pp_size(), args.microbatches, chain=chain or None)
     sim = simulate(plan)
     with open(os.path.join(args.out, "plan.svg"), "w", encoding="utf-8") as f:

@@ -73,7 +73,7 @@ from .tp import (
 def is_tracing() -> bool:
     """True while rank 0 traces the model for automatic partitioning (models may skip work then)."""
     model = _state_mod.current().model
-    return bool(model is not None and model._tracing)
+    return bool(model is not None and model.tracing)
 
 state = _state_mod.current()
 

@@ -8,10 +8,14 @@ re-exports it without importing the modules that raise these errors.
 from smp.errors import LaunchError, SMPError
 
 __all__ = [
+    "BwdExecutionNotInStepFnError",
     "DDPNotEnabledError",
     "DistributedModelNotWrappedError",
     "DistributedOptimizerError",
+    "FwdExecutionNotInStepFnError",
     "LaunchError",
+    "ModelNotPartitionedError",
+    "MultipleDistributedModelError",
     "StepFunctionCalledError",
 ]
 
@@ -30,3 +34,19 @@ class DistributedOptimizerError(SMPError, RuntimeError):
 
 class StepFunctionCalledError(SMPError, RuntimeError):
     """An ``@smp.step`` function was called from inside another one."""
+
+
+class FwdExecutionNotInStepFnError(SMPError, RuntimeError):
+    """``model(...)`` outside an ``@smp.step`` function with pipeline_parallel_degree > 1."""
+
+
+class BwdExecutionNotInStepFnError(SMPError, RuntimeError):
+    """``model.backward`` outside an ``@smp.step`` function."""
+
+
+class ModelNotPartitionedError(SMPError, RuntimeError):
+    """A local_* method was called before the first step partitioned the model."""
+
+
+class MultipleDistributedModelError(SMPError, RuntimeError):
+    """A second DistributedModel in one process."""

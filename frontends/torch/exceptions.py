@@ -16,20 +16,15 @@ from smp.errors import (
 )
 
 from .errors import (
+    BwdExecutionNotInStepFnError,
     DDPNotEnabledError,
     DistributedModelNotWrappedError,
     DistributedOptimizerError,
-    LaunchError,
-    StepFunctionCalledError,
-)
-
-# The four DistributedModel errors still live in model.py (being split into rooms); they move to
-# `.errors` with that split.
-from .model import (
-    BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
+    LaunchError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
+    StepFunctionCalledError,
 )
 
 __all__ = [

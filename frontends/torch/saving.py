@@ -141,7 +141,7 @@ def _save_partial(what: str, path: str, tag: str, st: Any, model: Any, optimizer
         if cfg is not None and model.partitioned:
             # The partition decision travels with the checkpoint: a partial checkpoint only loads
             # into the same partition (SMP v1 reloads it and keeps it).
-            cfg[PARTITION_KEY] = dict(model._owner)
+            cfg[PARTITION_KEY] = model.partition_assignment
         optimizer_state = optimizer.local_state_dict() if optimizer is not None else None
         return files.write_partial_checkpoint(path, tag, info, model.local_state_dict(), optimizer_state,
                                               user_content, cfg, write_shared=rank() == 0,
@@ -200,7 +200,7 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     saved_partition = saved_cfg.get(PARTITION_KEY)
     if saved_partition is not None:
         if st.model is not None:
-            st.model._use_saved_partition(saved_partition)
+            st.model.use_saved_partition(saved_partition)
         else:
             pending["partition"] = saved_partition
     if got.get("model") is not None:

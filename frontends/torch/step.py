@@ -31,6 +31,7 @@ from smp.step import StepSpec, aggregate_outputs, split_arguments
 from smp.structure import map_structure
 
 from .errors import StepFunctionCalledError
+from .model.interface import RecordedStep, StepModel
 from .step_output import StepOutput, TorchStepOps
 
 __all__ = ["StepOutput", "step"]
@@ -55,55 +56,43 @@ class StepFunction:
             raise NotInitializedError("call smp.init(config) before an @smp.step function")
         model = st.model
         cfg = st.cfg
-        if model is not None and model._in_step:
+        if model is not None and model.in_step:
             raise StepFunctionCalledError("an @smp.step function cannot call another @smp.step function")
         parts = split_arguments(self.spec, args, kwargs, cfg.microbatches, _OPS)
         if model is None:
             results = [self.func(*a, **k) for a, k in parts]
             return aggregate_outputs(results, _OPS, StepOutput)
-        model._in_step = True
-        try:
-            if not model.partitioned:
-                a0, k0 = parts[0]
-                model._decide_partition(lambda: self.func(*a0, **k0))
-            if cfg.ddp and model.broadcast_buffers:
-                model._broadcast_from_dp0(params=False)
+        a0, k0 = parts[0]
+        with model.step_scope(lambda: self.func(*a0, **k0)):
             results = self._run(model, cfg, parts)
-        finally:
-            model._in_step = False
-        model._steps += 1
-        model._sync_gradients()
+        model.after_step()
         if self.detach_outputs:
             results = [map_structure(r, lambda x: x.detach() if isinstance(x, torch.Tensor) else x) for r in results]
-        if model._steps == 1 or model._post_step_hooks:
-            hooks, model._post_step_hooks = list(model._post_step_hooks), []
-            for hook in hooks:
-                hook(model, st.optimizer)
         return aggregate_outputs(results, _OPS, StepOutput)
 
-    def _run(self, model: Any, cfg: Any, parts: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        engine = model._engine
+    def _run(self, model: StepModel, cfg: Any, parts: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        engine = model.engine
         if engine is None:  # pp == 1: microbatches run one after the other (gradient accumulation)
             return [self.func(*a, **k) for a, k in parts]
         key = id(self)
-        recorded = model._plans.get(key)
+        recorded = model.plans.get(key)
         policy = "simple" if cfg.pipeline == "simple" else "interleaved"
         plan = expected = None
         lights: list[tuple[str, int]] = []
         if recorded is not None:
             try:
-                plan, expected, lights = rank_plan(cfg.pipeline_section(), recorded[0], recorded[1], model._pp_rank,
-                                                   engine.light, model._plan_costs.get(key),
+                plan, expected, lights = rank_plan(cfg.pipeline_section(), recorded.chain, recorded.backward,
+                                                   model.pp_rank, engine.light, recorded.costs,
                                                    forward_active=cfg.active_microbatches)
             except SMPError as e:
-                logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded[0], e)
+                logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded.chain, e)
         # The first (recording) step runs one microbatch at a time: its order cannot depend on
         # timing, so buffers such as BatchNorm statistics see the microbatches in order, and the
         # durations measured to pick light actions are undisturbed.
         active = cfg.active_microbatches if recorded is not None else 1
         baton = Baton(plan, policy, active, float(cfg.comm_timeout),
                       on_fallback=engine.notify_dynamic, expected=expected, light_plan=lights)
-        leader = model._pp_rank == 0
+        leader = model.pp_rank == 0
         bodies = [functools.partial(self.func, *a, **k) for a, k in parts] if leader else None
 
         def payload(_results: list[Any]) -> Any:
@@ -113,7 +102,6 @@ class StepFunction:
         results, info = engine.run_step(bodies, len(parts), baton, torch.is_grad_enabled(), payload)
         model.last_timeline = list(engine.events)
         if recorded is None and info is not None:
-            model._plans[key] = (list(info["chain"]), bool(info["backward"]))
             # The dynamic rules (interleaved, simple) become static plans by simulating them with
             # the costs measured on this first step (every pipeline rank shares its durations).
             from .comm import PP_GROUP, TP_GROUP, allgather
@@ -125,8 +113,9 @@ class StepFunction:
                 per_rank = allgather(per_rank, TP_GROUP)[0]
                 # Light actions would issue TP collectives from a second thread, in an order that
                 # differs between peers: with TP every action takes the baton.
-            engine.mark_light(per_rank[model._pp_rank] if cfg.tensor_parallel_degree == 1 else {})
-            model._plan_costs[key] = segment_costs(list(info["chain"]), per_rank)
+            engine.mark_light(per_rank[model.pp_rank] if cfg.tensor_parallel_degree == 1 else {})
+            chain = list(info["chain"])
+            model.plans[key] = RecordedStep(chain, bool(info["backward"]), segment_costs(chain, per_rank))
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)

@@ -3,10 +3,10 @@
 `save_pretrained` gathers every TP shard (a collective over the TP group) and has global rank 0
 write ``config.json`` and safetensors with the original Hugging Face names, so
 ``AutoModelForCausalLM.from_pretrained(path)`` loads it without smp, at any TP degree (resharding
-is slicing again). ``smp.DistributedModel.save_pretrained`` (`save_distributed`) does the same from
-any TP x PP x DP layout: the first replica's pipeline stages gather their TP shards and send them
-to global rank 0. `load_hf_checkpoint` reads a Hugging Face checkpoint into a converted model,
-each rank reading only its slice of each sharded tensor (safetensors ``get_slice``).
+is slicing again). ``smp.DistributedModel.save_pretrained`` does the same from any TP x PP x DP
+layout (`smp.torch.model.state_dict`: the model's one full-state gather). `load_hf_checkpoint`
+reads a Hugging Face checkpoint into a converted model, each rank reading only its slice of each
+sharded tensor (safetensors ``get_slice``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from smp.torch.nn.group import group_rank, group_size, resolve_group
 from smp.torch.nn.params import gather_named, tp_split_dim
 from torch import nn
 
-__all__ = ["full_hf_state_dict", "save_pretrained", "save_distributed", "load_hf_checkpoint"]
+__all__ = ["full_hf_state_dict", "load_hf_checkpoint", "require_hf", "save_pretrained"]
 
 
 def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str, torch.Tensor]:
@@ -33,7 +33,7 @@ def full_hf_state_dict(model: nn.Module, process_group: Any = None) -> dict[str,
     return gather_named(model.state_dict(keep_vars=True), resolve_group(process_group))
 
 
-def _require_hf(module: nn.Module) -> None:
+def require_hf(module: nn.Module) -> None:
     if not callable(getattr(module, "save_pretrained", None)) or getattr(module, "config", None) is None:
         raise TypeError(f"save_pretrained: the model is a {type(module).__name__}, not a Hugging Face "
                         "PreTrainedModel (it has no save_pretrained method and config). Fix: wrap a transformers "
@@ -44,7 +44,7 @@ def save_pretrained(model: nn.Module, path: str, process_group: Any = None, **kw
     """Write ``model`` as a plain Hugging Face checkpoint; a collective, call it on every rank.
 
     ``model`` is a Hugging Face model converted by `transform` (the TP group is ``process_group``),
-    or an ``smp.DistributedModel`` wrapping one (any TP x PP x DP layout; see `save_distributed`).
+    or an ``smp.DistributedModel`` wrapping one (any TP x PP x DP layout; its ``save_pretrained``).
     Global rank 0 writes ``config.json`` and safetensors under the original names, which
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads without smp. ``kwargs`` go to
     Hugging Face's ``save_pretrained`` (e.g. ``max_shard_size``).
@@ -59,51 +59,15 @@ def save_pretrained(model: nn.Module, path: str, process_group: Any = None, **kw
         ...     sorted(f for f in os.listdir(d) if f.endswith((".json", ".safetensors")))[:2]
         ['config.json', 'generation_config.json']
     """
-    if hasattr(model, "_local_state_tensors"):  # an smp.DistributedModel
-        save_distributed(model, path, **kwargs)
+    if callable(getattr(model, "local_state_dict", None)):  # an smp.DistributedModel
+        model.save_pretrained(path, **kwargs)  # type: ignore[operator]
         return
-    _require_hf(model)
+    require_hf(model)
     state = full_hf_state_dict(model, process_group)
     if not dist.is_initialized() or dist.get_rank() == 0:
         model.save_pretrained(path, state_dict=state, **kwargs)  # type: ignore[operator]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def save_distributed(model: Any, path: str, **kwargs: Any) -> None:
-    """`save_pretrained` for an ``smp.DistributedModel``; a collective over the world.
-
-    Only the first replica (``rdp_rank() == 0``) contributes: in each pipeline stage its TP ranks
-    gather their stage's sharded parameters, the stage's TP rank 0 sends the stage's full tensors
-    to global rank 0, which merges the stages and writes. Before the first step partitions the
-    model every rank still holds every parameter, so pipeline stage 0 alone contributes.
-    """
-    from smp.torch.comm import RankType, barrier, pp_rank, pp_size, rank, rdp_rank, recv_from, send, tp_rank
-
-    module = model.module
-    _require_hf(module)
-    first_replica = rdp_rank() == 0
-    stage: dict[str, torch.Tensor] = {}
-    if first_replica:
-        if model.partitioned:
-            local = model._local_state_tensors()
-        else:
-            local = module.state_dict(keep_vars=True) if pp_rank() == 0 else {}
-        stage = gather_named(local, resolve_group(None))
-    if first_replica and tp_rank() == 0:
-        if rank() == 0:
-            full = dict(stage)
-            for peer in range(1, pp_size()):  # pp_rank order; a weight on two stages (tied) is taken once
-                for name, t in recv_from(peer, RankType.PP_RANK).items():
-                    full.setdefault(name, t)
-            order = list(module.state_dict(keep_vars=True))
-            lost = [n for n in order if n not in full]
-            if lost:
-                raise RuntimeError(f"save_pretrained: no pipeline stage holds {lost[:5]}")
-            module.save_pretrained(path, state_dict={n: full[n] for n in order}, **kwargs)
-        else:
-            send(stage, 0, RankType.PP_RANK)
-    barrier()
 
 
 def _files(path: str) -> dict[str, str]:

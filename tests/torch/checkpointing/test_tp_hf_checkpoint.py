@@ -228,7 +228,7 @@ def _smp_checkpoints(path: str, phase: str) -> Any:
             full = model.state_dict()
             if smp.rank() == 0:
                 assert full["model.embed_tokens.weight"].shape == (64, 32), "state_dict() holds full tensors"
-    owner = {p: r for p, r in model._owner.items() if p in ("lm_head", "model.layers.0", "model.layers.1")}
+    owner = {p: r for p, r in model.partition_assignment.items() if p in ("lm_head", "model.layers.0", "model.layers.1")}
     return losses, owner
 
 

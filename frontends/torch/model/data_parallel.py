@@ -1,0 +1,94 @@
+"""Data parallelism of a partitioned model: same start on every replica, averaged gradients.
+
+Replicated tensors synchronise over the DP group; TP-sharded ones over the replicas of the same
+shard (the RDP group). Gradients are averaged in flat buckets of ``bucket_cap_mb`` after the step
+(not overlapped with backward: the pipeline engine owns backward's threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp.topology import GroupKind
+
+from ..failure import wait
+from ..nn.params import is_tp_sharded
+from ..runtime import runtime
+
+__all__ = ["average_microbatch_grads", "broadcast_from_dp0", "sync_gradients"]
+
+Groups = tuple[tuple[Any, list[int]], tuple[Any, list[int]]]
+
+
+def _reduction_groups() -> Groups:
+    """(DP group, RDP group): replicated tensors sync over DP, TP-sharded ones over RDP."""
+    rt = runtime()
+    return ((rt.groups[GroupKind.DP], rt.group_ranks[GroupKind.DP]),
+            (rt.groups[GroupKind.RDP], rt.group_ranks[GroupKind.RDP]))
+
+
+def broadcast_from_dp0(tensors: Iterable[torch.Tensor]) -> None:
+    """Make every DP replica hold DP rank 0's values of ``tensors`` (TP shards: RDP rank 0's)."""
+    (dp, dp_ranks), (rdp, rdp_ranks) = _reduction_groups()
+    for t in tensors:
+        pg, ranks = (rdp, rdp_ranks) if is_tp_sharded(t) else (dp, dp_ranks)
+        if t.numel() and len(ranks) > 1:
+            wait(dist.broadcast(t.data, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
+
+
+def average_microbatch_grads(params: Iterable[torch.nn.Parameter], count: int, enabled: Callable[[], bool]) -> None:
+    """Divide each microbatch's gradient by ``count`` as autograd produces it (while ``enabled()``).
+
+    Dividing the accumulated ``.grad`` when the step ends would also divide what it held before
+    the step: the earlier steps' gradients under ``backward_passes_per_step`` (or a script that
+    accumulates over steps without ``zero_grad``). Parameters frozen at partition time get no
+    hook (torch refuses hooks on them); one unfrozen later accumulates sums.
+    """
+    if count == 1:
+        return
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        return grad / count if enabled() else grad
+
+    for p in params:
+        if p.requires_grad:
+            p.register_hook(average)
+
+
+def sync_gradients(params: Iterable[torch.nn.Parameter], bucket_cap_mb: int) -> None:
+    """Average the gradients of ``params`` over their data-parallel replicas."""
+    (dp, dp_ranks), (rdp, rdp_ranks) = _reduction_groups()
+    replicated: list[torch.Tensor] = []
+    sharded: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is not None:
+            # TP-sharded gradients average over the replicas of the same shard (RDP), the rest over DP.
+            (sharded if is_tp_sharded(p) else replicated).append(p.grad)
+    cap = max(1, bucket_cap_mb) * 1024 * 1024
+    _allreduce(replicated, dp, dp_ranks, cap)
+    _allreduce(sharded, rdp, rdp_ranks, cap)
+
+
+def _allreduce(grads: list[torch.Tensor], pg: Any, ranks: list[int], cap: int) -> None:
+    """Average ``grads`` over ``pg`` in flat buckets of at most ``cap`` bytes (one tensor may exceed it)."""
+    if len(ranks) < 2 or not grads:
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket and (g is None or size >= cap):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            wait(dist.all_reduce(flat, group=pg, async_op=True), "gradient allreduce over DP", ranks)
+            flat.div_(len(ranks))
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket, size = [], 0

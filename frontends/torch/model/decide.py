@@ -1,0 +1,72 @@
+"""The partition decision: which pipeline rank owns each module (module path -> pp_rank).
+
+Three sources, in this order: the partition a checkpoint was saved with; automatic partitioning
+(global rank 0 traces one microbatch, the core partitions the lowered module tree, the decision
+is broadcast); manual scopes (``smp.partition``, ``smp.set_partition``, ``default_partition``).
+The decision is data; applying it (freeing storage, dispatch, DP broadcast) is the model's job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+
+import smp.state as smp_state
+from smp.errors import SMPError
+
+from .. import placement as partition_mod
+
+__all__ = ["check_saved_partition", "decide_partition"]
+
+logger = logging.getLogger("smp")
+
+
+def check_saved_partition(module: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
+    """A checkpoint's partition, checked against ``module``'s module paths."""
+    paths = {p for p, _ in module.named_modules()}
+    if set(assignment) != paths:
+        extra, missing = sorted(set(assignment) - paths), sorted(paths - set(assignment))
+        raise SMPError(f"resume_from_checkpoint: the checkpoint's partition names other modules than this "
+                       f"model has (only in the checkpoint: {extra[:5]}, only in the model: {missing[:5]}). "
+                       f"Fix: build the same model as the one that was saved")
+    return dict(assignment)
+
+
+def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
+                     tracing: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, int], Any]:
+    """(assignment, manual partition or None) for ``module``; a collective under auto_partition.
+
+    ``first_microbatch`` runs the step body on the first microbatch (for tracing); ``tracing()``
+    is the context the model is traced in (``smp.is_tracing()`` is true inside).
+    """
+    if not cfg.auto_partition:
+        scopes = partition_mod.manual_scopes(module, cfg)
+        part = scopes.resolve(partition_mod.lower(module, None))
+        if smp_state.current().rank == 0:
+            logger.info("manual partition:\n%s", part.report())
+        return dict(part.assignment), part
+    decision = None
+    if smp_state.current().rank == 0:
+        from ..delayed import has_delayed_params
+
+        tr = None
+        delayed = has_delayed_params(module)
+        if delayed:
+            logger.info("automatic partition: parameters are delayed (meta), so the model is not "
+                        "traced; the partition follows parameter sizes and module counts")
+        if not cfg.skip_tracing and not delayed:
+            with tracing():
+                tr = partition_mod.trace(module, first_microbatch)
+        tree = partition_mod.lower(module, tr)
+        part = partition_mod.auto_partition(tree, cfg)
+        decision = partition_mod.rehome_sequential_stateless(module, dict(part.assignment))
+        logger.info("automatic partition:\n%s", part.report())
+    from ..comm import WORLD, allgather
+
+    decision = allgather(decision, WORLD)[0]
+    assert decision is not None
+    return decision, None

@@ -1,0 +1,387 @@
+"""`smp.DistributedModel`: partitions a module across the pipeline and runs it through the engine.
+
+At wrap time nothing moves. On the first step (pp > 1) the partition is decided (`decide`), then
+every rank keeps only its modules' parameters, module calls are dispatched to their owners
+(`dispatch`), parameters and buffers are broadcast from DP rank 0 (`data_parallel`), the
+post-partition hooks run and deferred ``load_state_dict`` calls apply (`state_dict`). What
+``@smp.step`` and checkpoints use of the model is declared in `interface`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+import smp.state as smp_state
+from smp.errors import NotInitializedError, SMPError
+from smp.topology import GroupKind
+
+from ..engine.engine import Engine, current_task
+from ..errors import (
+    BwdExecutionNotInStepFnError,
+    FwdExecutionNotInStepFnError,
+    ModelNotPartitionedError,
+    MultipleDistributedModelError,
+)
+from ..nn.batch import scale_arguments, unscale_outputs
+from ..runtime import runtime
+from . import data_parallel
+from . import state_dict as states
+from .decide import check_saved_partition, decide_partition
+from .dispatch import Dispatch
+from .interface import RecordedStep
+
+logger = logging.getLogger("smp")
+
+
+class _Handle:
+    """Removes a registered hook (like torch.utils.hooks.RemovableHandle)."""
+
+    def __init__(self, hooks: list[Callable[..., Any]], hook: Callable[..., Any]) -> None:
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class DistributedModel(nn.Module):
+    """Wraps a model for pipeline, tensor and data parallelism (SMP v1 signature).
+
+    Example:
+        >>> model = smp.DistributedModel(Net())
+        >>> optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    """
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 trace_memory_usage: bool = False, overlapping_allreduce: bool = True,
+                 backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
+                 bucket_cap_mb: int = 25, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
+        st = smp_state.current()
+        if st.cfg is None:
+            raise NotInitializedError("call smp.init(config) before smp.DistributedModel(...)")
+        if st.model is not None:
+            raise MultipleDistributedModelError("only one smp.DistributedModel per process (as in SMP v1)")
+        if trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device={trace_device!r}: use 'cpu' or 'gpu'")
+        if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        if st.cfg.tensor_parallel_degree > 1:
+            # Modules marked with smp.tensor_parallelism() / set_tensor_parallelism() become their
+            # distributed counterparts here, before partitioning (SMP v1 order).
+            from ..tp import apply_tensor_parallelism
+
+            module = apply_tensor_parallelism(module)
+        super().__init__()
+        self.module = module
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times
+        self.overlapping_allreduce = overlapping_allreduce
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_cap_mb = bucket_cap_mb
+        self.broadcast_buffers = broadcast_buffers
+        self.cfg = st.cfg
+        self._pp_rank = st.rank_map.coord(st.rank).pp_rank if st.rank_map else 0
+        self._owner: dict[str, int] = {}
+        self._partition: Any = None  # the manual partition (its report), None when automatic
+        self._partitioned = False
+        self._dispatch: Dispatch | None = None
+        self._post_partition_hooks: list[Callable[..., Any]] = []
+        self._post_step_hooks: list[Callable[..., Any]] = []
+        self._pending_loads: list[tuple[dict[str, Any], bool]] = []
+        self._in_step = False
+        self._tracing = False
+        self._steps = 0
+        self._local_param_ids: set[int] = set()
+        self.plans: dict[Any, RecordedStep] = {}
+        self.last_timeline: list[Any] = []
+        st.model = self
+        from ..saving import pending
+
+        self._saved_partition: dict[str, int] | None = None
+        if "partition" in pending:  # resume_from_checkpoint ran before the model existed
+            self.use_saved_partition(pending.pop("partition"))
+        if "model" in pending:
+            sd, strict = pending.pop("model")
+            self._pending_loads.append((sd, strict))
+        if self.cfg.pipeline_parallel_degree == 1:
+            self._apply_partition({p: 0 for p, _ in module.named_modules()}, None)
+
+    # --- properties and accessors -----------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    @property
+    def partition_assignment(self) -> dict[str, int]:
+        """Module path -> pp_rank (empty before the first step partitions the model)."""
+        return dict(self._owner)
+
+    @property
+    def pp_rank(self) -> int:
+        return self._pp_rank
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._dispatch.engine if self._dispatch is not None else None
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    @property
+    def tracing(self) -> bool:
+        """True while rank 0 traces the model for automatic partitioning."""
+        return self._tracing
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def _require_partition(self) -> None:
+        if not self._partitioned:
+            raise ModelNotPartitionedError("the model is partitioned on the first smp.step call; call this after it")
+
+    def _is_local(self, path: str) -> bool:
+        return self._owner.get(path, 0) == self._pp_rank
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        self._require_partition()
+        for path, m in self.module.named_modules():
+            if self._is_local(path):
+                yield path, m
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        for _, m in self.local_named_modules():
+            yield m
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self._require_partition()
+        seen: set[int] = set()
+        for path, m in self.module.named_modules():
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in seen or not self._param_is_local(p):
+                    continue
+                seen.add(id(p))
+                yield (f"{path}.{name}" if path else name), p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.local_named_parameters():
+            yield p
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._require_partition()
+        for path, m in self.module.named_modules():
+            if self._is_local(path):
+                for name, b in m.named_buffers(recurse=False):
+                    yield (f"{path}.{name}" if path else name), b
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, b in self.local_named_buffers():
+            yield b
+
+    def _param_is_local(self, p: nn.Parameter) -> bool:
+        return id(p) in self._local_param_ids
+
+    # --- hooks --------------------------------------------------------------------------------------
+
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> _Handle:
+        """``hook(model, optimizer)`` runs after partitioning, before the first forward."""
+        self._post_partition_hooks.append(hook)
+        return _Handle(self._post_partition_hooks, hook)
+
+    def register_post_step_hook(self, hook: Callable[..., Any]) -> _Handle:
+        """``hook(model, optimizer)`` runs once, after the first step."""
+        self._post_step_hooks.append(hook)
+        return _Handle(self._post_step_hooks, hook)
+
+    # --- forward / backward -------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cfg.pipeline_parallel_degree > 1 and not self._in_step and not self._tracing:
+            raise FwdExecutionNotInStepFnError(
+                "with pipeline_parallel_degree > 1 the model runs only inside an @smp.step function: move "
+                "model(...) into the step (evaluation too: a second @smp.step without model.backward)")
+        if self.cfg.tensor_parallel_degree > 1 and not self.cfg.prescaled_batch:
+            # Each TP rank brought its own batch: the model runs on the TP group's combined batch
+            # and every rank gets its own samples' outputs back (reference 2.5; smp.torch.nn.batch).
+            args, kwargs, batch = scale_arguments(args, kwargs)
+            return unscale_outputs(self.module(*args, **kwargs), batch)
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Backward of the model's outputs inside an ``@smp.step`` function (replaces loss.backward())."""
+        if not self._in_step:
+            raise BwdExecutionNotInStepFnError("model.backward(loss) must run inside an @smp.step function")
+        if self._tracing:
+            return
+        engine = self.engine
+        if engine is not None and current_task() is not None:
+            engine.backward(tensors, grad_tensors)
+        else:
+            torch.autograd.backward(tensors, grad_tensors)
+
+    # --- the step (interface.StepModel) -----------------------------------------------------------
+
+    @contextmanager
+    def step_scope(self, first_microbatch: Callable[[], Any]) -> Iterator[None]:
+        self._in_step = True
+        try:
+            if not self._partitioned:
+                self._partition_now(first_microbatch)
+            if self.cfg.ddp and self.broadcast_buffers:
+                data_parallel.broadcast_from_dp0(self.local_buffers())
+            yield
+        finally:
+            self._in_step = False
+
+    def after_step(self) -> None:
+        self._steps += 1
+        if self.cfg.ddp and self._steps % self.backward_passes_per_step == 0:
+            data_parallel.sync_gradients(self.local_parameters(), self.bucket_cap_mb)
+        if self._steps == 1 or self._post_step_hooks:
+            hooks, self._post_step_hooks = list(self._post_step_hooks), []
+            for hook in hooks:
+                hook(self, smp_state.current().optimizer)
+
+    # --- partitioning -------------------------------------------------------------------------------
+
+    def use_saved_partition(self, assignment: dict[str, int]) -> None:
+        """Take the partition a checkpoint was saved with (applied at the first step)."""
+        if self._partitioned:
+            if self.cfg.pipeline_parallel_degree > 1 and dict(assignment) != self._owner:
+                raise SMPError("resume_from_checkpoint: the checkpoint was saved with another partition than the "
+                               "one this model already has. Fix: call resume_from_checkpoint before the first "
+                               "step, so the saved partition is used")
+            return
+        self._saved_partition = check_saved_partition(self.module, assignment)
+
+    @contextmanager
+    def _tracing_scope(self) -> Iterator[None]:
+        self._tracing = True
+        try:
+            yield
+        finally:
+            self._tracing = False
+
+    def _partition_now(self, first_microbatch: Callable[[], Any]) -> None:
+        if self._saved_partition is not None:
+            if smp_state.current().rank == 0:
+                logger.info("partition loaded from the checkpoint (not traced or recomputed)")
+            self._apply_partition(self._saved_partition, None)
+            return
+        assignment, part = decide_partition(self.module, self.cfg, first_microbatch, self._tracing_scope)
+        self._apply_partition(assignment, part)
+
+    def _apply_partition(self, assignment: dict[str, int], part: Any) -> None:
+        st = smp_state.current()
+        self._owner = dict(assignment)
+        self._partition = part
+        local_ids: set[int] = set()
+        for path, m in self.module.named_modules():
+            if self._is_local(path):
+                local_ids.update(id(p) for p in m.parameters(recurse=False))
+        self._local_param_ids = local_ids
+        from ..delayed import pending_materialization
+
+        delayed = pending_materialization(self.module)  # before other ranks' storage is freed
+        cfg = self.cfg
+        if cfg.pipeline_parallel_degree > 1:
+            for m in self.module.modules():
+                for p in m.parameters(recurse=False):
+                    if id(p) not in local_ids:
+                        # Another rank owns it: free the storage, keep the Parameter object.
+                        p.requires_grad_(False)
+                        p.grad = None
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            rt = runtime()
+            self._dispatch = Dispatch(self.module, self._owner, self._pp_rank)
+            self._dispatch.start(rt.engine_group, rt.group_ranks[GroupKind.PP], st.rank, float(cfg.comm_timeout),
+                                 strict_order=cfg.tensor_parallel_degree > 1)
+        if delayed is not None:  # allocate and initialise this rank's delayed parameters only
+            delayed.materialize(self._param_is_local, cfg)
+        self._partitioned = True
+        data_parallel.average_microbatch_grads(self.local_parameters(), cfg.microbatches,
+                                               lambda: self.average_grads_across_microbatches)
+        if cfg.ddp:
+            data_parallel.broadcast_from_dp0([*self.local_parameters(), *self.local_buffers()])
+        for model_sd, strict in self._pending_loads:
+            states.load(self, model_sd, strict)
+        self._pending_loads.clear()
+        for hook in list(self._post_partition_hooks):
+            hook(self, st.optimizer)
+
+    # --- state dicts (state_dict.py) -------------------------------------------------------------
+
+    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
+        """This rank's entries of the state dict (a partial checkpoint), marked ``_smp_is_partial``."""
+        self._require_partition()
+        out: dict[str, Any] = {}
+        for name, t in states.local_state_tensors(self).items():
+            out[name] = t.detach().cpu() if cast_to_cpu else t.detach()
+        out["_smp_is_partial"] = True
+        return out
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,  # type: ignore[override]
+                   cast_to_cpu: bool = True, gather_to_rank0: bool = True) -> dict[str, Any]:
+        """The full state dict, gathered from every pipeline rank of this replica (TP shards as full
+        tensors, loadable by the unsharded model).
+
+        Call it on every rank with ``dp_rank() == 0`` (``rdp_rank() == 0`` with TP), as in SMP v1.
+        With ``gather_to_rank0`` (the default) only global rank 0 gets the entries when
+        pipeline_parallel_degree > 1; the others return ``{}``.
+        """
+        return states.state_dict(self, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
+        """Load a full or partial state dict; before partitioning the load waits until after it."""
+        if not self._partitioned:
+            self._pending_loads.append((dict(state_dict), strict))
+        else:
+            states.load(self, state_dict, strict)
+        return None
+
+    def step_timeline(self, title: str = "measured step") -> Any:
+        """The last step's measured timeline over this pipeline (a collective over the PP group).
+
+        Returns an ``smp.pipeline.Timeline`` in milliseconds (one lane per pp_rank) that
+        ``smp.pipeline.render_svg`` / ``render_chrome_trace`` draw like a planned one. Clocks are the
+        hosts' wall clocks: on several hosts, lanes are only as aligned as the clocks are.
+        """
+        from smp.pipeline import Timeline
+
+        from ..comm import PP_GROUP, allgather
+
+        mine = [(self._pp_rank, e.kind, e.microbatch, 0, e.start, e.end) for e in self.last_timeline if e.end]
+        events = [e for part in allgather(mine, PP_GROUP) for e in part]
+        origin = min((e[4] for e in events), default=0.0)
+        records = [(r, k, mb, seg, (s - origin) * 1e3, (t - origin) * 1e3) for r, k, mb, seg, s, t in events]
+        return Timeline.from_records(records, num_ranks=self.cfg.pipeline_parallel_degree, unit="ms",
+                                     title=title)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Write the wrapped Hugging Face model to ``path`` in Hugging Face format (a collective: every rank).
+
+        Pipeline stages and TP shards of the first replica are gathered; global rank 0 writes
+        ``config.json`` and safetensors that ``transformers`` loads without smp.
+        """
+        states.save_pretrained(self, path, **kwargs)
+
+    def cpu(self) -> DistributedModel:  # type: ignore[override]
+        """Gather every pipeline stage's parameters and buffers into this process's module, on the CPU.
+
+        A collective over the pipeline group. Under tensor parallelism the TP layers keep this
+        rank's shards (they compute with them); `state_dict` gives the full tensors.
+        """
+        states.gather_to_cpu(self)
+        self.module.cpu()
+        return self
