@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
+import smp.state as smp_state
 from smp.errors import CommTimeoutError, PeerLostError, PeerStalledError, RemoteRankError, SMPError
 from smp.runtime.failure_record import FAILED, LOST, STALLED, FailureRecord, is_transport_error
 from smp.runtime.liveness import Heartbeat, PeerState, Store
@@ -266,21 +267,25 @@ class FailureChannel:
             sys.excepthook = self._prev_hook
             self._prev_hook = None
 
-
-_channel: FailureChannel | None = None
+    def close(self) -> None:
+        """Give back the excepthook and stop the heartbeat (marked exited); `smp.state.reset` calls it."""
+        self.uninstall_excepthook()
+        self.stop_heartbeat()
 
 
 def set_channel(channel: FailureChannel | None) -> None:
-    """Make ``channel`` this process's; the previous one stops its heartbeat (marked exited)."""
-    global _channel
-    if _channel is not None and channel is not _channel:
-        _channel.uninstall_excepthook()
-        _channel.stop_heartbeat()
-    _channel = channel
+    """Make ``channel`` this process's (``smp.state.current().failure``); the previous one is closed."""
+    st = smp_state.current()
+    previous = st.failure
+    st.failure = channel
+    if previous is not None and previous is not channel:
+        previous.close()
 
 
 def channel() -> FailureChannel | None:
-    return _channel
+    """This process's channel (in ``smp.state``, so `smp.state.reset` drops it), or None before init."""
+    ch = smp_state.current().failure
+    return ch if isinstance(ch, FailureChannel) else None
 
 
 def _ranks(peers: object) -> list[int] | None:
@@ -299,7 +304,7 @@ def translate(error: BaseException, what: str, peers: object = None) -> BaseExce
     microbatch holds) is replaced by the peer's report if one arrives within a second: the rank that
     waited on this one publishes a stall in this rank's name, which says more than "waited".
     """
-    ch = _channel
+    ch = channel()
     if ch is None or isinstance(error, RemoteRankError):
         return error
     if isinstance(error, CommTimeoutError):
@@ -324,7 +329,8 @@ def publish_failure(exc: BaseException | None = None) -> None:
     A stall is published in the silent peer's name; a peer's failure (`RemoteRankError`) is not
     published again; a dropped connection is first translated into the peer failure behind it.
     """
-    if _channel is None:
+    ch = channel()
+    if ch is None:
         return
     if exc is None:
         exc = sys.exc_info()[1]
@@ -332,23 +338,25 @@ def publish_failure(exc: BaseException | None = None) -> None:
             return
     exc = translate(exc, "this rank's last operation")
     if isinstance(exc, PeerStalledError):
-        _channel.publish_record(FailureRecord(exc.rank, STALLED, _channel.rank, exc.remote_message))
+        ch.publish_record(FailureRecord(exc.rank, STALLED, ch.rank, exc.remote_message))
     elif not isinstance(exc, RemoteRankError):
-        _channel.publish("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        ch.publish("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
 def check_peers(peers: Iterable[int] | None, what: str) -> None:
     """Raise the failure of another rank, if any (for waits that are not `wait`'s, like the engine's)."""
-    if _channel is not None:
-        _channel.check_peers(peers, what)
+    ch = channel()
+    if ch is not None:
+        ch.check_peers(peers, what)
 
 
 def stalled_error(peer: int, what: str, limit: float) -> CommTimeoutError:
     """The error for ``peer`` not answering ``what`` within ``limit`` s."""
-    if _channel is None:
+    ch = channel()
+    if ch is None:
         return CommTimeoutError(f"rank {peer} did not answer within {limit:g} s (the comm_timeout config key "
                                 f"sets this limit): {what}")
-    return _channel.stalled(peer, what, limit)
+    return ch.stalled(peer, what, limit)
 
 
 class _Waiter:
@@ -376,6 +384,9 @@ class _Waiter:
             done.set()
 
 
+# Kept across smp.reset() on purpose: a worker thread, not job state. It holds nothing between
+# waits (each job brings its handle and takes its result back), and one still blocked on a handle
+# of an earlier job is replaced, never reused.
 _waiter: _Waiter | None = None
 _waiter_lock = threading.Lock()
 
@@ -391,7 +402,7 @@ def _p2p_waiter() -> _Waiter:
 
 def timeout_error(what: str, peers: object, limit: float) -> CommTimeoutError:
     """The error for ``what`` with ``peers`` past ``limit`` s: names the one peer not in the same wait, if any."""
-    ch = _channel
+    ch = channel()
     ranks = _ranks(peers)
     if ch is not None and ranks is not None:
         return ch.timeout_error(what, ranks, limit)
@@ -416,7 +427,7 @@ def wait(work: Work, what: str, peers: object, timeout_s: float | None = None, *
         RemoteRankError: another rank failed (`PeerLostError`: it is gone).
         CommTimeoutError: past the timeout (`PeerStalledError` when one peer is identified).
     """
-    ch = _channel
+    ch = channel()
     hb = ch.heartbeat if ch is not None else None
     if hb is not None:
         hb.set_activity(what)  # peers that time out can tell whether this rank was in the same wait
@@ -428,7 +439,7 @@ def wait(work: Work, what: str, peers: object, timeout_s: float | None = None, *
 
 
 def _wait(work: Work, what: str, peers: object, timeout_s: float | None, p2p: bool) -> Any:
-    ch = _channel
+    ch = channel()
     ranks = _ranks(peers)
     limit = timeout_s if timeout_s is not None else (ch.timeout_s if ch else 300.0)
     start = time.monotonic()
