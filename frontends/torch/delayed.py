@@ -46,16 +46,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from smp.errors import SMPError
 
+from .process_state import torch_state
+
 __all__ = ["DelayedInitError", "DelayedPlan", "delay_param_initialization",
            "has_delayed_params", "pending_materialization", "plan_if_delayed", "attach_plan"]
 
 logger = logging.getLogger("smp")
 _PLAN_ATTR = "_smp_delayed_plan"
 
-# The stack of active delay_param_initialization() contexts of this process: (enabled, memo of
-# real parameter -> its meta copy, so a parameter registered twice stays one parameter). Entered
-# and left only by the context manager (restored in finally).
-_CONTEXTS: list[tuple[bool, WeakIdKeyDictionary]] = []
+# The open contexts are `TorchState.delayed_contexts`, entered and left only by the context
+# manager (restored in finally); smp.reset() drops them and undoes the patch.
 _ORIGINAL_REGISTER = nn.Module.register_parameter
 
 
@@ -70,8 +70,9 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
 
 
 def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if param is not None and _CONTEXTS and _CONTEXTS[-1][0] and not param.is_meta:
-        memo = _CONTEXTS[-1][1]
+    contexts = torch_state().delayed_contexts
+    if param is not None and contexts and contexts[-1][0] and not param.is_meta:
+        memo = contexts[-1][1]
         meta = memo.get(param)
         if meta is None:
             meta = memo[param] = _to_meta(param)
@@ -93,16 +94,17 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         >>> layer.weight.is_meta
         True
     """
-    patched = not _CONTEXTS
-    if patched:
-        nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
-    _CONTEXTS.append((enabled, WeakIdKeyDictionary()))
+    ts = torch_state()  # left on the state it entered in, as smp.partition (placement.py) is
+    outermost = not ts.delayed_contexts
+    if outermost:
+        ts.patch("delay_param_initialization", nn.Module, "register_parameter", _register_parameter)
+    ts.delayed_contexts.append((enabled, WeakIdKeyDictionary()))
     try:
         yield
     finally:
-        _CONTEXTS.pop()
-        if patched:
-            nn.Module.register_parameter = _ORIGINAL_REGISTER  # type: ignore[method-assign]
+        ts.delayed_contexts.pop()
+        if outermost:
+            ts.unpatch("delay_param_initialization")
 
 
 def has_delayed_params(root: nn.Module) -> bool:

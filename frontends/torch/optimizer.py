@@ -109,10 +109,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.loss_scale = static_loss_scale  # type: ignore[attr-defined]
     optimizer.overflow = False  # type: ignore[attr-defined]
-    from .saving import pending as resumed
+    from .saving import take_pending
 
-    if "optimizer" in resumed:  # resume_from_checkpoint ran before the optimizer existed
-        pending.append(resumed.pop("optimizer"))
+    resumed = take_pending("optimizer")
+    if resumed is not None:  # resume_from_checkpoint ran before the optimizer existed
+        pending.append(resumed)
     model.register_post_partition_hook(_apply_pending)
     st.optimizer = optimizer
     if model.partitioned:

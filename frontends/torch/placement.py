@@ -27,19 +27,19 @@ from smp.partition import (
 )
 from smp.structure import map_structure
 
-# Module -> partition index of the innermost `smp.partition` block it was created in.
-_created: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-# Module -> (index, recurse) from smp.set_partition, in call order.
-_assigned: list[tuple[weakref.ref[nn.Module], int, bool]] = []
-_stack: list[int] = []
-_orig_init: Callable[..., None] | None = None
+from .process_state import torch_state
 
 
-def _recording_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    assert _orig_init is not None
-    _orig_init(self, *args, **kwargs)
-    if _stack:
-        _created[self] = _stack[-1]
+def _recording_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``nn.Module.__init__`` while a block is open: ``original``, then note the innermost block."""
+
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        ts = torch_state()
+        if ts.partition_stack:
+            ts.created[self] = ts.partition_stack[-1]
+
+    return __init__
 
 
 @contextlib.contextmanager
@@ -57,7 +57,6 @@ def partition(index: int) -> Iterator[None]:
         ...         with smp.partition(1):
         ...             self.head = nn.Linear(16, 100)
     """
-    global _orig_init
     cfg = smp_state.current().cfg
     if cfg is not None:
         # Checks the index (and logs the auto_partition rule) through the core's bookkeeping.
@@ -65,18 +64,19 @@ def partition(index: int) -> Iterator[None]:
             pass
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"smp.partition index must be an int, got {index!r}")
-    outermost = not _stack
-    _stack.append(index)
+    # The block pushes and pops on the state it entered in: after an smp.reset() inside the block
+    # that state is detached (and its patch already undone), so leaving touches nothing new.
+    ts = torch_state()
+    outermost = not ts.partition_stack
+    ts.partition_stack.append(index)
     if outermost:
-        _orig_init = nn.Module.__init__
-        nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
+        ts.patch("smp.partition", nn.Module, "__init__", _recording_init(nn.Module.__init__))
     try:
         yield
     finally:
-        _stack.pop()
-        if outermost and _orig_init is not None:
-            nn.Module.__init__ = _orig_init  # type: ignore[method-assign]
-            _orig_init = None
+        ts.partition_stack.pop()
+        if outermost:
+            ts.unpatch("smp.partition")
 
 
 def set_partition(module: nn.Module, partition: int, recurse: bool = True) -> None:
@@ -91,17 +91,18 @@ def set_partition(module: nn.Module, partition: int, recurse: bool = True) -> No
 
         raise PartitionError("smp.set_partition after the first step: the partition is final once the first "
                              "smp.step ran. Fix: call set_partition before the first step")
-    _assigned.append((weakref.ref(module), partition, recurse))
+    torch_state().assigned.append((weakref.ref(module), partition, recurse))
 
 
 def manual_scopes(root: nn.Module, cfg: Any) -> PartitionScopes:
     """The core's bookkeeping filled with this model's `smp.partition` blocks and set_partition calls."""
     scopes = PartitionScopes.from_settings(cfg.partition_section())
     paths = {id(m): p for p, m in root.named_modules()}
+    ts = torch_state()
     for path, module in root.named_modules():
-        if module in _created:
-            scopes.note_created(path, _created[module])
-    for ref, index, recurse in _assigned:
+        if module in ts.created:
+            scopes.note_created(path, ts.created[module])
+    for ref, index, recurse in ts.assigned:
         module = ref()
         if module is not None and id(module) in paths:
             scopes.assign(paths[id(module)], index, recurse=recurse)

@@ -26,6 +26,7 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
+from .process_state import KEPT
 
 logger = logging.getLogger("smp")
 
@@ -42,6 +43,7 @@ class TorchRuntime:
     groups: dict[GroupKind, Any] = field(default_factory=dict)
     group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
     engine_group: Any = None  # a PP group of its own for pipeline messages
+    env_added: dict[str, str] = field(default_factory=dict)  # what `init` added to os.environ; `reset` removes it
 
 
 def _setup_logging(rank: int) -> None:
@@ -117,12 +119,11 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     channel.install_excepthook()
     if store is not None and launch.world_size > 1:
         channel.start_heartbeat(_neighbours(rank_map, launch.rank), _heartbeat_store(store))
-    if not _EXIT_HOOK:
-        _EXIT_HOOK.append(atexit.register(_shutdown_at_exit))  # a no-op after shutdown() or reset()
+    if not KEPT.exit_hook:  # kept across resets (process_state.Kept): atexit registers per process
+        atexit.register(_shutdown_at_exit)  # a no-op after shutdown() or reset()
+        KEPT.exit_hook = True
     _create_groups(rt, rank_map, launch.rank)
-    os.environ.setdefault("RANK", str(launch.rank))
-    os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
+    rt.env_added = _export_rank_env(launch)
     smp_state.update(cfg=cfg, rank_map=rank_map, rank=launch.rank, local_rank=launch.local_rank,
                      local_size=launch.local_size, framework="torch", runtime=rt)
     if launch.rank == 0:
@@ -133,30 +134,38 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
                     rank_map.placement, backend)
 
 
-# Note [re-init]: the rendezvous store of this process's first `init`, kept for later ones, and how
-# many inits ran. torch names the default group and the groups of `new_group` by counters that
-# `destroy_process_group` resets, and a second rendezvous under torchrun reaches the agent's store
-# again under the same prefix: a second `init` after `reset()` found the first one's gloo keys and
-# hung (or one rank connected to the old addresses). Every later init therefore rendezvouses
-# through the first store under a prefix of its own (`smp/init<N>`); all ranks run the same
-# sequence of init/reset calls, so N agrees. Holding the store also keeps rank 0's TCPStore server
-# alive for the peers between a reset and the next init.
-_FIRST_STORE: list[Any] = []
-_INITS = [0]
-
-
+# Note [re-init]: the rendezvous store of this process's first `init` is kept for later ones, with
+# the count of inits (`KEPT.first_store`, `KEPT.inits` in process_state.py: they outlive
+# smp.reset() on purpose). torch names the default group and the groups of `new_group` by counters
+# that `destroy_process_group` resets, and a second rendezvous under torchrun reaches the agent's
+# store again under the same prefix: a second `init` after `reset()` found the first one's gloo
+# keys and hung (or one rank connected to the old addresses). Every later init therefore
+# rendezvouses through the first store under a prefix of its own (`smp/init<N>`); all ranks run
+# the same sequence of init/reset calls, so N agrees. Holding the store also keeps rank 0's
+# TCPStore server alive for the peers between a reset and the next init.
 def _init_default_group(backend: str, launch: Launch, timeout: timedelta) -> None:
     """Create the default process group; see Note [re-init]."""
-    _INITS[0] += 1
-    if not _FIRST_STORE:
+    KEPT.inits += 1
+    if KEPT.first_store is None:
         dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
-        store = _default_store()
-        if store is not None:
-            _FIRST_STORE.append(store)
+        KEPT.first_store = _default_store()
         return
-    dist.init_process_group(backend, store=dist.PrefixStore(f"smp/init{_INITS[0]}", _FIRST_STORE[0]),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"smp/init{KEPT.inits}", KEPT.first_store),
                             rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+
+
+def _export_rank_env(launch: Launch) -> dict[str, str]:
+    """Set RANK, WORLD_SIZE and LOCAL_RANK where unset (scripts read them, as under SMP v1).
+
+    Returns what it added, for `reset` to remove: left in place, they made the next single-process
+    init after a reset take itself for a torchrun launch and wait for a MASTER_ADDR.
+    """
+    added = {}
+    for name, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size), ("LOCAL_RANK", launch.local_rank)):
+        if name not in os.environ:
+            added[name] = os.environ[name] = str(value)
+    return added
 
 
 def _describe(rank_map: RankMap, rank: int) -> str:
@@ -220,9 +229,13 @@ def is_initialized() -> bool:
 
 
 def reset() -> None:
-    """Tear down what `init` built (process groups it created, the state), so `init` can run again."""
+    """Tear down what `init` built (process groups it created, the state), so `init` can run again.
+
+    Drops all process state of smp (`smp.state.reset`, which also drops and closes the frontend's
+    `TorchState`); what a reset keeps on purpose is `process_state.KEPT`.
+    """
     rt = smp_state.current().runtime
-    failure.set_channel(None)
+    failure.set_channel(None)  # before the groups go: the heartbeat's exit mark still reaches the store
     if isinstance(rt, TorchRuntime) and dist.is_initialized():
         if rt.owns_default_group:
             dist.destroy_process_group()
@@ -233,15 +246,16 @@ def reset() -> None:
                         dist.destroy_process_group(pg)
                     except Exception:  # noqa: BLE001 - already gone
                         pass
+    if isinstance(rt, TorchRuntime):
+        for name, value in rt.env_added.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
     smp_state.reset()
 
 
 def shutdown() -> None:
     """Release communication resources at exit (SMP v1 name)."""
     reset()
-
-
-_EXIT_HOOK: list[Any] = []
 
 
 def _shutdown_at_exit() -> None:

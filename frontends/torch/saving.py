@@ -22,9 +22,25 @@ from smp.errors import SMPCheckpointError
 
 from . import checkpoint_files as files
 from .comm import WORLD, allgather, pp_rank, rank, rdp_rank, tp_rank
+from .process_state import torch_state
 
-# State read by resume_from_checkpoint before the model or optimizer existed; applied when they appear.
-pending: dict[str, Any] = {}
+
+def take_pending(key: str, default: Any = None) -> Any:
+    """Take what ``resume_from_checkpoint`` read for ``key`` before its owner existed (None: nothing).
+
+    Keys: ``"partition"`` (module path -> pp_rank) and ``"model"`` (state dict, strict) for the
+    `DistributedModel`, ``"optimizer"`` (state dict) for the `DistributedOptimizer`. Taking removes
+    it; it lives in `TorchState`, so ``smp.reset()`` drops what nobody took.
+    """
+    return torch_state().pending.pop(key, default)
+
+
+def __getattr__(name: str) -> Any:
+    # ``from .saving import pending``: the dict of `TorchState` as it is now (callers that predate
+    # `take_pending` read it once, right where they use it).
+    if name == "pending":
+        return torch_state().pending
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Key of the partition decision (module path -> pp_rank) inside a partial checkpoint's smp_config.pt.
@@ -202,15 +218,15 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         if st.model is not None:
             st.model.use_saved_partition(saved_partition)
         else:
-            pending["partition"] = saved_partition
+            torch_state().pending["partition"] = saved_partition
     if got.get("model") is not None:
         if st.model is not None:
             st.model.load_state_dict(got["model"], strict=strict)
         else:
-            pending["model"] = (got["model"], strict)
+            torch_state().pending["model"] = (got["model"], strict)
     if load_optimizer and got.get("optimizer") is not None:
         if st.optimizer is not None:
             st.optimizer.load_state_dict(got["optimizer"])
         else:
-            pending["optimizer"] = got["optimizer"]
+            torch_state().pending["optimizer"] = got["optimizer"]
     return got.get("user_content")

@@ -44,6 +44,8 @@ FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END = range
 # How often the dispatcher, between messages, checks for a failed or vanished peer (failure.py).
 _POLL_S = 0.2
 
+# The task a thread runs, set and cleared by `_task_main` around each task: scoped to one step,
+# so there is nothing here for smp.reset() to drop.
 _local = threading.local()
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.

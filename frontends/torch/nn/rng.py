@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..process_state import torch_state
+
 __all__ = ["TP_RNG", "RNGStatesTracker", "get_rng_state_tracker", "seed_tensor_parallel", "tp_rng", "tp_seed_offset"]
 
 TP_RNG = "tensor-parallel-rng"
@@ -102,14 +104,21 @@ class RNGStatesTracker:
                 torch.cuda.set_rng_state(cuda)
 
 
-# The tracker is per process like the generators it stands next to (torch keeps those in
-# process-wide state too); smp.torch.reset() users reseed through seed_tensor_parallel.
-_TRACKER = RNGStatesTracker()
-
-
 def get_rng_state_tracker() -> RNGStatesTracker:
-    """The process's tracker (``tsm.state.get_rng_state_tracker()`` in SMP v2)."""
-    return _TRACKER
+    """The process's tracker (``tsm.state.get_rng_state_tracker()`` in SMP v2).
+
+    It lives in `TorchState`, so ``smp.reset()`` drops it: the next model seeds a fresh one from
+    its own config and tp_rank on first use, instead of forking the previous run's generator.
+    """
+    ts = torch_state()
+    tracker = ts.rng_tracker
+    if isinstance(tracker, RNGStatesTracker):
+        return tracker
+    with ts.lock:  # microbatch threads may ask first, together
+        if not isinstance(ts.rng_tracker, RNGStatesTracker):
+            ts.rng_tracker = RNGStatesTracker()
+        made: RNGStatesTracker = ts.rng_tracker
+    return made
 
 
 def _config_seed() -> int:
@@ -141,15 +150,17 @@ def seed_tensor_parallel(seed: int | None = None, tp_rank: int | None = None) ->
         else:
             tp_rank = 0
     value = tp_seed_offset(seed, tp_rank)
-    _TRACKER.reset()
-    _TRACKER.add(TP_RNG, value)
+    tracker = get_rng_state_tracker()
+    tracker.reset()
+    tracker.add(TP_RNG, value)
     return value
 
 
 @contextmanager
 def tp_rng() -> Iterator[None]:
     """Fork into the TP-region generator, seeding it from the config on first use."""
-    if not _TRACKER.has(TP_RNG):
+    tracker = get_rng_state_tracker()
+    if not tracker.has(TP_RNG):
         seed_tensor_parallel()
-    with _TRACKER.fork(TP_RNG):
+    with tracker.fork(TP_RNG):
         yield

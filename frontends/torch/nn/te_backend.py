@@ -60,6 +60,8 @@ DISABLE_ENV = "SMP_DISABLE_TE"
 """Environment variable: ``1`` / ``true`` / ``yes`` / ``on`` turns the TE backend off."""
 
 _TRUE = {"1", "true", "yes", "on"}
+# Kept across smp.reset(), as the import cache of `_import_te` is: both describe the process
+# (what imports, which reasons were already logged), never a script's setting or a model.
 _logged: set[str] = set()
 
 

@@ -26,6 +26,7 @@ from torch import nn
 import smp.state as smp_state
 from smp.errors import SMPError
 
+from ..process_state import torch_state
 from .registry import Registration, all_registrations, registration_for
 
 __all__ = ["DistributedModelWrappedError", "tensor_parallelism", "set_tensor_parallelism",
@@ -35,9 +36,9 @@ logger = logging.getLogger("smp")
 _MARK = "_smp_tp_mark"  # (enabled, overrides) on a module instance
 _ARGS = "_smp_tp_init_args"  # (args, kwargs) its constructor received, for init_hook
 
-# The stack of active tensor_parallelism() contexts of this process; each entry is
-# (enabled, overrides). Entered and left only by the context manager (restored in finally).
-_CONTEXTS: list[tuple[bool, dict[str, Any]]] = []
+# The open tensor_parallelism() contexts are `TorchState.tp_contexts`, (enabled, overrides) each,
+# entered and left only by the context manager (restored in finally); smp.reset() drops them and
+# undoes the class patches.
 
 
 class DistributedModelWrappedError(SMPError, RuntimeError):
@@ -53,8 +54,9 @@ def is_marked(module: nn.Module) -> bool:
 def _patched_init(cls: type, original: Any) -> Any:
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if type(self) is cls and _CONTEXTS:
-            enabled, overrides = _CONTEXTS[-1]
+        contexts = torch_state().tp_contexts
+        if type(self) is cls and contexts:
+            enabled, overrides = contexts[-1]
             object.__setattr__(self, _MARK, (enabled, dict(overrides)))
             object.__setattr__(self, _ARGS, (args, kwargs))
 
@@ -73,21 +75,18 @@ def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         >>> is_marked(layer), is_marked(kept)
         (True, False)
     """
-    patched: dict[type, Any] = {}
-    if not _CONTEXTS:
+    ts = torch_state()  # left on the state it entered in, as smp.partition (placement.py) is
+    outermost = not ts.tp_contexts
+    if outermost:
         for cls in all_registrations():
-            patched[cls] = cls.__dict__.get("__init__")
-            cls.__init__ = _patched_init(cls, cls.__init__)  # type: ignore[misc]
-    _CONTEXTS.append((enabled, kwargs))
+            ts.patch("tensor_parallelism", cls, "__init__", _patched_init(cls, cls.__init__))  # type: ignore[misc]
+    ts.tp_contexts.append((enabled, kwargs))
     try:
         yield
     finally:
-        _CONTEXTS.pop()
-        for cls, original in patched.items():
-            if original is None:
-                del cls.__init__  # type: ignore[misc]
-            else:
-                cls.__init__ = original  # type: ignore[misc]
+        ts.tp_contexts.pop()
+        if outermost:
+            ts.unpatch("tensor_parallelism")
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
