@@ -88,9 +88,6 @@ class TorchState:
         for p in reversed(mine):
             p.undo()
 
-    def patched(self, owner: str) -> bool:
-        return any(p.owner == owner for p in self._patches)
-
     def close(self) -> None:
         """Undo every patch still in place (contexts a script left open); `smp.state.reset` calls it."""
         patches, self._patches = self._patches, []
