@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
-__all__ = ["TEMP_SUFFIX", "FileRecord", "atomic_write", "fsync_dir", "makedirs", "sha256_file"]
+__all__ = ["TEMP_SUFFIX", "FileRecord", "atomic_write", "atomic_write_text", "fsync_dir", "makedirs", "sha256_file"]
 
 # Suffix of the temp files of atomic writes; a killed write leaves ``.<name>.<pid>.<hex>.smp-tmp``.
 TEMP_SUFFIX = ".smp-tmp"
@@ -116,6 +116,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         raise
     fsync_dir(directory)
     return hashing.record()
+
+
+def atomic_write_text(text: str, path: str | os.PathLike[str]) -> FileRecord:
+    """Write ``text`` (UTF-8) to ``path`` with the same guarantee as `atomic_write`.
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "newest")
+        >>> _ = atomic_write_text("step_1\\n", p)
+        >>> open(p).read()
+        'step_1\\n'
+    """
+    data = text.encode("utf-8")
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def sha256_file(path: str) -> FileRecord:

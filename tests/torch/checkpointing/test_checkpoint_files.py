@@ -21,10 +21,8 @@ import torch
 from smp.torch import checkpoint_files as ckpt
 from smp.torch.checkpoint_files import (
     atomic_save,
-    atomic_write_text,
     commit_partial_checkpoint,
     detect_rankinfo,
-    partial_dir,
     prepare_partial_checkpoint,
     read_full_checkpoint,
     read_newest,
@@ -34,6 +32,8 @@ from smp.torch.checkpoint_files import (
 )
 
 import smp
+from smp.checkpoint import MANIFEST, TEMP_SUFFIX, atomic_write_text, layout
+from smp.checkpoint.layout import partial_dir
 from smp.checkpoint.names import find_partial, partial_candidates, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def temp_files(directory: Path) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.endswith(ckpt.TEMP_SUFFIX))
+    return sorted(n for n in os.listdir(directory) if n.endswith(TEMP_SUFFIX))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_failed_pruning_is_logged_and_the_save_stands(tmp_path: Path, monkeypatc
     def refuse(path: str, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", refuse)
+    monkeypatch.setattr(layout.shutil, "rmtree", refuse)
     with caplog.at_level(logging.WARNING, logger="smp.checkpoint"):
         assert save(tmp_path, "s2", keep=1) == ["s2"]
     assert "could not delete old partial checkpoint" in caplog.text and "s1_partial" in caplog.text
@@ -382,10 +382,11 @@ def test_commit_refuses_an_incomplete_checkpoint(tmp_path: Path) -> None:
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, sys, time
     import torch
+    from smp.checkpoint import layout
     from smp.torch import checkpoint_files as ckpt
 
     path, stall_on, resave = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    real_save, real_write_text, real_replace = ckpt.atomic_save, ckpt.atomic_write_text, os.replace
+    real_save, real_write_text, real_replace = ckpt.atomic_save, layout.atomic_write_text, os.replace
     step = 0
 
     def stall(where):
@@ -406,7 +407,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
         if str(src).endswith("_partial") and ".smp-old" in str(dst):
             stall("between renames")  # the previous save moved aside, the new one not yet in place
 
-    ckpt.atomic_save, ckpt.atomic_write_text, os.replace = stalling_save, stalling_write_text, stalling_replace
+    ckpt.atomic_save, layout.atomic_write_text, os.replace = stalling_save, stalling_write_text, stalling_replace
     for step in range(1, 10):
         tag = "latest" if resave else f"step_{step}"
         sid = ckpt.prepare_partial_checkpoint(path, tag)
@@ -555,7 +556,7 @@ def test_without_a_manifest_torch_errors_become_errors_that_name_the_file(tmp_pa
                                                                          rankinfo: str) -> None:
     """Checkpoints of SMP v1 or an earlier smp have no manifest: torch's own error, named."""
     save(tmp_path, "s", step=1)
-    os.remove(tmp_path / "s_partial" / ckpt.MANIFEST)
+    os.remove(tmp_path / "s_partial" / MANIFEST)
     damage(tmp_path / "s_partial" / name, how)
     with pytest.raises(SMPCheckpointError) as e:
         read_partial_checkpoint(tmp_path, "s", rankinfo)
@@ -566,7 +567,7 @@ def test_without_a_manifest_torch_errors_become_errors_that_name_the_file(tmp_pa
 
 def test_a_damaged_manifest_is_named(tmp_path: Path) -> None:
     save(tmp_path, "s")
-    (tmp_path / "s_partial" / ckpt.MANIFEST).write_text("{not json")
+    (tmp_path / "s_partial" / MANIFEST).write_text("{not json")
     with pytest.raises(SMPCheckpointError, match=r"the manifest .*s_partial/smp_manifest.json is damaged"):
         read_partial_checkpoint(tmp_path, "s", "0_0")
 
@@ -584,7 +585,7 @@ def test_the_next_save_cleans_up_what_an_interrupted_one_left(tmp_path: Path,
     save(tmp_path, "s1")
     sid = prepare_partial_checkpoint(tmp_path, "s2")  # a save that never commits...
     write_partial_checkpoint(tmp_path, "s2", "0_0", {}, {}, None, CONFIG, write_shared=True, save_id=sid)
-    (tmp_path / f".newest.123.abcd{ckpt.TEMP_SUFFIX}").write_bytes(b"half")  # ...and a killed atomic write
+    (tmp_path / f".newest.123.abcd{TEMP_SUFFIX}").write_bytes(b"half")  # ...and a killed atomic write
     legacy = tmp_path / "old_partial"  # left by an earlier smp that wrote in place
     legacy.mkdir()
     with caplog.at_level(logging.INFO, logger="smp.checkpoint"):
