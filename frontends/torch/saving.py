@@ -1,6 +1,6 @@
 """SMP v1 checkpoint API: ``smp.save``/``smp.load`` and ``smp.save_checkpoint``/``smp.resume_from_checkpoint``.
 
-The file layout and the crash-safe write order live in checkpoint_files.py (Note [checkpoint
+The file layout and the crash-safe write order live in smp/checkpoint/layout.py (Note [checkpoint
 commit order]); this module decides which rank writes what. ``save_checkpoint`` is a collective
 over the world in three phases (rank 0 stages a new save id, every rank with ``rdp_rank() == 0``
 writes its model and optimizer part, rank 0 checks and commits), and ``resume_from_checkpoint``
@@ -33,14 +33,6 @@ def take_pending(key: str, default: Any = None) -> Any:
     it; it lives in `TorchState`, so ``smp.reset()`` drops what nobody took.
     """
     return torch_state().pending.pop(key, default)
-
-
-def __getattr__(name: str) -> Any:
-    # ``from .saving import pending``: the dict of `TorchState` as it is now (callers that predate
-    # `take_pending` read it once, right where they use it).
-    if name == "pending":
-        return torch_state().pending
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Key of the partition decision (module path -> pp_rank) inside a partial checkpoint's smp_config.pt.

@@ -105,14 +105,15 @@ class DistributedModel(nn.Module):
         self.plans: dict[Any, RecordedStep] = {}
         self.last_timeline: list[Any] = []
         st.model = self
-        from ..saving import pending
+        from ..saving import take_pending
 
         self._saved_partition: dict[str, int] | None = None
-        if "partition" in pending:  # resume_from_checkpoint ran before the model existed
-            self.use_saved_partition(pending.pop("partition"))
-        if "model" in pending:
-            sd, strict = pending.pop("model")
-            self._pending_loads.append((sd, strict))
+        saved_partition = take_pending("partition")  # resume_from_checkpoint ran before the model existed
+        if saved_partition is not None:
+            self.use_saved_partition(saved_partition)
+        saved_model = take_pending("model")
+        if saved_model is not None:
+            self._pending_loads.append(saved_model)
         if self.cfg.pipeline_parallel_degree == 1:
             self._apply_partition({p: 0 for p, _ in module.named_modules()}, None)
 
