@@ -2,7 +2,7 @@
 
 Compared on 300 seeded random chains (6-12 blocks, integer costs 1-9, 2-4 stages, the
 distribution of peers.md section 0) and on the block sequences of four Hugging Face models
-(embedding, decoder layers, final norm, LM head; costs from ``smp.torch.hf_plan.estimate_tree``,
+(embedding, decoder layers, final norm, LM head; costs from ``smp.torch.partitioning.hf_plan.estimate_tree``,
 seq 4096, tp 1, balancing cost with memory_weight 0.2) at pp in {2, 4, 8, 16}:
 
 - ``smp``: `smp.partition.partition_chain` (exact DP).
@@ -163,7 +163,7 @@ def random_chains(count: int, seed: int) -> list[tuple[list[float], int]]:
 def hf_blocks(name: str) -> tuple[list[float], list[str], ModuleTree]:
     """Block costs (embedding, layers, norm, head) of an HF model, in the tree's cost units."""
     import torch
-    from smp.torch.hf_plan import estimate_tree, load_config
+    from smp.torch.partitioning.hf_plan import estimate_tree, load_config
     from transformers import AutoModelForCausalLM
 
     from smp.partition.cost import CostModel

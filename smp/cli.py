@@ -20,7 +20,7 @@ commands:
 # (or a plugin) adds a variant with `register_plan_provider`.
 PLAN_PROVIDERS: dict[str, str] = {
     # Building a Hugging Face model on the meta device needs torch and transformers.
-    "--hf-config": "smp.torch.hf_plan:main",
+    "--hf-config": "smp.torch.partitioning.hf_plan:main",
 }
 
 
@@ -28,7 +28,7 @@ def register_plan_provider(flag: str, target: str) -> None:
     """Route ``smp plan <flag> ...`` to ``target`` ("package.module:function", imported lazily).
 
     Example:
-        >>> register_plan_provider("--hf-config", "smp.torch.hf_plan:main")
+        >>> register_plan_provider("--hf-config", "smp.torch.partitioning.hf_plan:main")
     """
     PLAN_PROVIDERS[flag] = target
 

@@ -27,9 +27,9 @@ from tests.helpers.strict_skips import (  # noqa: E402,F401 - hooks, found by na
 def _clean_smp_state() -> Iterator[None]:
     yield
     if "smp.torch" in sys.modules:
-        from smp.torch import runtime
+        from smp.torch.runtime.init import reset
 
-        runtime.reset()
+        reset()
     else:
         import smp.state
 

@@ -3,7 +3,15 @@
 import smp.state as _state_mod
 
 from . import amp, exceptions
-from .comm import (
+from .checkpointing.saving import load, resume_from_checkpoint, save, save_checkpoint
+from .model import DistributedModel
+from .model.creation import model_creation
+from .model.delayed import delay_param_initialization
+from .model.recompute import set_activation_checkpointing
+from .optimizer import DistributedOptimizer
+from .partitioning.scopes import partition, set_partition
+from .patches.checkpoint import checkpoint
+from .runtime.comm import (
     DP_GROUP,
     MP_GROUP,
     PP_GROUP,
@@ -50,15 +58,7 @@ from .comm import (
     tp_rank,
     tp_size,
 )
-from .creation import model_creation
-from .delayed import delay_param_initialization
-from .model import DistributedModel
-from .optimizer import DistributedOptimizer
-from .patches.checkpoint import checkpoint
-from .placement import partition, set_partition
-from .recompute import set_activation_checkpointing
-from .runtime import init, is_initialized, reset, shutdown
-from .saving import load, resume_from_checkpoint, save, save_checkpoint
+from .runtime.init import init, is_initialized, reset, shutdown
 from .step import StepOutput, step
 from .tp import (
     nn,

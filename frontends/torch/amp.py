@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .failure import wait
+from .runtime.failure import wait
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -71,7 +71,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         """Full optimizer state, gathered over the pipeline (call on every rank with dp_rank() == 0)."""
         if not model.partitioned or st.cfg is None or st.cfg.pipeline_parallel_degree == 1:
             return _by_name(self, model, only_local=False)
-        from .comm import MP_GROUP, allgather
+        from .runtime.comm import MP_GROUP, allgather
 
         parts = allgather(local_state_dict(self), MP_GROUP)
         full = parts[0]
@@ -109,7 +109,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.loss_scale = static_loss_scale  # type: ignore[attr-defined]
     optimizer.overflow = False  # type: ignore[attr-defined]
-    from .saving import take_pending
+    from .checkpointing.saving import take_pending
 
     resumed = take_pending("optimizer")
     if resumed is not None:  # resume_from_checkpoint ran before the optimizer existed

@@ -104,7 +104,7 @@ class StepFunction:
         if recorded is None and info is not None:
             # The dynamic rules (interleaved, simple) become static plans by simulating them with
             # the costs measured on this first step (every pipeline rank shares its durations).
-            from .comm import PP_GROUP, TP_GROUP, allgather
+            from .runtime.comm import PP_GROUP, TP_GROUP, allgather
 
             per_rank = allgather(engine.durations(engine.events), PP_GROUP)
             if cfg.tensor_parallel_degree > 1:

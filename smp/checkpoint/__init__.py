@@ -2,7 +2,7 @@
 
 `names` holds the SMP v1 file names of ``smp.save``; `layout` the save_checkpoint layout (``newest``,
 ``<tag>_partial/``, the staged and committed partial save, reading back). A frontend passes its
-serialisation in as a `Codec` (``smp.torch.checkpoint_files`` binds ``torch.save``/``torch.load``);
+serialisation in as a `Codec` (``smp.torch.checkpointing.files`` binds ``torch.save``/``torch.load``);
 every file is written by `atomic_write` and read back through `load_file`, checked by `verify_file`.
 """
 

@@ -1,7 +1,7 @@
 """The save_checkpoint layout of SMP v1 checkpoints: file names, ``newest``, the staged partial save, reading back.
 
 Framework-free: a frontend passes its serialisation in as a `Codec` (smp/checkpoint/codec.py;
-``smp.torch.checkpoint_files`` binds ``torch.save``/``torch.load``). ``smp.save_checkpoint`` /
+``smp.torch.checkpointing.files`` binds ``torch.save``/``torch.load``). ``smp.save_checkpoint`` /
 ``smp.resume_from_checkpoint`` decide which ranks call what (reference sections 3.12 and 11.2) and
 call this module. Nothing here communicates. ``smp.save(obj, f, partial=True)`` file names and rank
 infos: `smp.checkpoint.names`.

@@ -7,7 +7,7 @@
     f"{f}_{mp_rank}"                            before 1.6 (no TP, so mp_rank == pp_rank)
     f"{f}_{pp_rank}_{tp_rank}"                  before 1.10, read with back_compat=True
 
-Framework-free: ``smp.save``/``smp.load`` (frontends/torch/saving.py) and `smp.checkpoint.layout` use them.
+Framework-free: ``smp.save``/``smp.load`` (frontends/torch/checkpointing/saving.py) and `smp.checkpoint.layout` use them.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str]
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         try:
-            from smp.torch import failure
+            from smp.torch.runtime import failure
 
             failure.publish_failure(e)
         except Exception:  # noqa: BLE001 - smp may not even import

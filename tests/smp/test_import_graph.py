@@ -125,9 +125,9 @@ def test_the_walker_sees_every_kind_of_import() -> None:
     graph = _graph()
     assert "smp.torch" in MODULES and "smp.pipeline.plan" in MODULES and "smp.torch.tp.marking" in MODULES
     assert "smp.pipeline.plan" in graph["smp.pipeline.grid"]  # absolute, module level
-    assert "smp.torch.delayed" in graph["smp.torch.tp.marking"]  # absolute smp.torch.X, in a function
+    assert "smp.torch.model.delayed" in graph["smp.torch.tp.marking"]  # absolute smp.torch.X, in a function
     assert "smp.torch.tp" in graph["smp.torch"]  # relative package import from an __init__
-    assert "smp.torch.nn.group" in graph["smp.torch.delayed"]  # relative, in a function
+    assert "smp.torch.nn.group" in graph["smp.torch.model.delayed"]  # relative, in a function
 
 
 def test_no_import_circles() -> None:

@@ -35,13 +35,13 @@ import torch
 from smp.errors import RemoteRankError, SMPError
 from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 
-from .. import failure
+from ..runtime import failure
 from .wire import Message, Transport, pack, unpack
 
 logger = logging.getLogger("smp")
 
 FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END = range(1, 10)
-# How often the dispatcher, between messages, checks for a failed or vanished peer (failure.py).
+# How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
 
 # The task a thread runs, set and cleared by `_task_main` around each task: scoped to one step,

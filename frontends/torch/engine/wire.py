@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from smp import structure
 
-from ..failure import wait
+from ..runtime.failure import wait
 
 TAG = 0x51D
 HEADER = 4

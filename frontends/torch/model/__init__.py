@@ -1,11 +1,13 @@
-"""`smp.DistributedModel`, split by job.
+"""`smp.DistributedModel`, split by job, and what builds a model for it.
 
 - `model`: the class (construction, local views, hooks, forward/backward, the step and checkpoint
-  interfaces of `interface`);
-- `decide`: which pipeline rank owns each module (saved, automatic or manual);
+  interfaces of `interface`); the partition it applies is decided in `smp.torch.partitioning.decide`;
 - `dispatch`: module calls sent to the rank that owns the module, through the engine;
 - `data_parallel`: broadcast from DP rank 0, microbatch averaging, bucketed gradient allreduce;
-- `state_dict`: local and full state dicts, ``cpu()``, ``save_pretrained`` (one full-state gather).
+- `state_dict`: local and full state dicts, ``cpu()``, ``save_pretrained`` (one full-state gather);
+- `delayed`: ``smp.delay_param_initialization`` (meta parameters, materialised after partitioning);
+- `creation`: ``smp.model_creation`` (tensor parallelism, delayed init and dtype in one context);
+- `recompute`: ``smp.set_activation_checkpointing``.
 """
 
 from .model import DistributedModel

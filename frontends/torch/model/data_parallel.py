@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from smp.topology import GroupKind
 
-from ..failure import wait
 from ..nn.params import is_tp_sharded
-from ..runtime import runtime
+from ..runtime.failure import wait
+from ..runtime.init import runtime
 
 __all__ = ["average_microbatch_grads", "broadcast_from_dp0", "sync_gradients"]
 

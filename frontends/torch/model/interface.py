@@ -1,8 +1,8 @@
 """What the rest of the frontend may use of `DistributedModel` besides its public (SMP v1) methods.
 
 ``@smp.step`` (`smp.torch.step`) drives a step through `StepModel`; checkpoints
-(`smp.torch.saving`) read and restore the partition through `CheckpointModel`. Anything not
-declared here is the model's own business: the rooms beside this file (`decide`, `dispatch`,
+(`smp.torch.checkpointing.saving`) read and restore the partition through `CheckpointModel`. Anything not
+declared here is the model's own business: the rooms beside this file (`dispatch`,
 `data_parallel`, `state_dict`) are reached only through the model, and `state_dict` sees it only
 as a `LocalView`.
 """

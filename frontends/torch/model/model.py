@@ -1,6 +1,6 @@
 """`smp.DistributedModel`: partitions a module across the pipeline and runs it through the engine.
 
-At wrap time nothing moves. On the first step (pp > 1) the partition is decided (`decide`), then
+At wrap time nothing moves. On the first step (pp > 1) the partition is decided (`smp.torch.partitioning.decide`), then
 every rank keeps only its modules' parameters, module calls are dispatched to their owners
 (`dispatch`), parameters and buffers are broadcast from DP rank 0 (`data_parallel`), the
 post-partition hooks run and deferred ``load_state_dict`` calls apply (`state_dict`). What
@@ -29,10 +29,10 @@ from ..errors import (
     MultipleDistributedModelError,
 )
 from ..nn.batch import scale_arguments, unscale_outputs
-from ..runtime import runtime
+from ..partitioning.decide import check_saved_partition, decide_partition
+from ..runtime.init import runtime
 from . import data_parallel
 from . import state_dict as states
-from .decide import check_saved_partition, decide_partition
 from .dispatch import Dispatch
 from .interface import RecordedStep
 
@@ -105,7 +105,7 @@ class DistributedModel(nn.Module):
         self.plans: dict[Any, RecordedStep] = {}
         self.last_timeline: list[Any] = []
         st.model = self
-        from ..saving import take_pending
+        from ..checkpointing.saving import take_pending
 
         self._saved_partition: dict[str, int] | None = None
         saved_partition = take_pending("partition")  # resume_from_checkpoint ran before the model existed
@@ -292,7 +292,7 @@ class DistributedModel(nn.Module):
             if self._is_local(path):
                 local_ids.update(id(p) for p in m.parameters(recurse=False))
         self._local_param_ids = local_ids
-        from ..delayed import pending_materialization
+        from .delayed import pending_materialization
 
         delayed = pending_materialization(self.module)  # before other ranks' storage is freed
         cfg = self.cfg
@@ -360,7 +360,7 @@ class DistributedModel(nn.Module):
         """
         from smp.pipeline import Timeline
 
-        from ..comm import PP_GROUP, allgather
+        from ..runtime.comm import PP_GROUP, allgather
 
         mine = [(self._pp_rank, e.kind, e.microbatch, 0, e.start, e.end) for e in self.last_timeline if e.end]
         events = [e for part in allgather(mine, PP_GROUP) for e in part]

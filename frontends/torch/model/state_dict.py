@@ -18,7 +18,7 @@ import smp.state as smp_state
 from smp.topology import GroupKind
 
 from ..nn.params import gather_named, is_tp_sharded, shard_packed
-from ..runtime import runtime
+from ..runtime.init import runtime
 from .interface import LocalView
 
 __all__ = ["full_state", "gather_to_cpu", "load", "local_state_tensors", "merge_stages", "save_pretrained",
@@ -58,7 +58,7 @@ def merge_stages(model: LocalView, stage: dict[str, torch.Tensor],
     """
     if not _split(model):
         return stage
-    from ..comm import PP_GROUP, RankType, allgather, pp_rank, pp_size, recv_from, send
+    from ..runtime.comm import PP_GROUP, RankType, allgather, pp_rank, pp_size, recv_from, send
 
     if to == "all":
         parts = allgather(stage, PP_GROUP)
@@ -142,7 +142,7 @@ def save_pretrained(model: LocalView, path: str, **kwargs: Any) -> None:
     Only the first replica (``rdp_rank() == 0``) contributes: its TP ranks gather their stage's
     shards, tp_rank 0's pipeline merges the stages on global rank 0, which writes.
     """
-    from ..comm import barrier, rank, rdp_rank, tp_rank
+    from ..runtime.comm import barrier, rank, rdp_rank, tp_rank
     from ..tp.hf_checkpoint import require_hf
 
     module = model.module

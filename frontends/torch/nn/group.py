@@ -31,7 +31,7 @@ def resolve_group(process_group: Any = None) -> Any:
     """The group to use: ``process_group`` if given, else smp's TP group, else None (tp size 1)."""
     if process_group is not None:
         return process_group
-    from smp.torch.runtime import is_initialized, runtime
+    from smp.torch.runtime.init import is_initialized, runtime
 
     from smp.topology import GroupKind
 

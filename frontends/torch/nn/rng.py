@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..process_state import torch_state
+from ..runtime.process_state import torch_state
 
 __all__ = ["TP_RNG", "RNGStatesTracker", "get_rng_state_tracker", "seed_tensor_parallel", "tp_rng", "tp_seed_offset"]
 
@@ -141,10 +141,10 @@ def seed_tensor_parallel(seed: int | None = None, tp_rank: int | None = None) ->
     if seed is None:
         seed = _config_seed()
     if tp_rank is None:
-        from smp.torch.runtime import is_initialized
+        from smp.torch.runtime.init import is_initialized
 
         if is_initialized():
-            from smp.torch.comm import tp_rank as _tp_rank
+            from smp.torch.runtime.comm import tp_rank as _tp_rank
 
             tp_rank = _tp_rank()
         else:

@@ -26,7 +26,7 @@ from torch import nn
 import smp.state as smp_state
 from smp.errors import SMPError
 
-from ..process_state import torch_state
+from ..runtime.process_state import torch_state
 from .registry import Registration, all_registrations, registration_for
 
 __all__ = ["DistributedModelWrappedError", "tensor_parallelism", "set_tensor_parallelism",
@@ -75,7 +75,7 @@ def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         >>> is_marked(layer), is_marked(kept)
         (True, False)
     """
-    ts = torch_state()  # left on the state it entered in, as smp.partition (placement.py) is
+    ts = torch_state()  # left on the state it entered in, as smp.partition (partitioning/scopes.py) is
     outermost = not ts.tp_contexts
     if outermost:
         for cls in all_registrations():
@@ -206,10 +206,10 @@ def apply_tensor_parallelism(root: nn.Module) -> nn.Module:
             else:
                 setattr(parent, name, new)
 
-    from smp.torch.delayed import attach_plan, plan_if_delayed
+    from smp.torch.model.delayed import attach_plan, plan_if_delayed
 
     # Delayed (meta) parameters: remember where their full values come from before conversion
-    # turns them into meta shards (smp.torch.delayed).
+    # turns them into meta shards (smp.torch.model.delayed).
     plan = plan_if_delayed(root)
     new_root = convert(root)
     if new_root is None:

@@ -45,7 +45,7 @@ def _save_then_crash(path: str) -> list[float]:
     smp.save_checkpoint(path, "step3", model=model, optimizer=opt, user_content={"step": 3})
     losses += _train(range(3, 4), smp, model, opt, step)
     if smp.rank() == 1:
-        from smp.torch import checkpoint_files as files
+        from smp.torch.checkpointing import files
 
         def crash(*_: Any, **__: Any) -> None:
             os._exit(17)  # the process dies in the middle of writing tag step4

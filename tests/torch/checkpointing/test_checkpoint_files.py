@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from smp.torch import checkpoint_files as ckpt
-from smp.torch.checkpoint_files import (
+from smp.torch.checkpointing import files as ckpt
+from smp.torch.checkpointing.files import (
     atomic_save,
     commit_partial_checkpoint,
     detect_rankinfo,
@@ -109,7 +109,7 @@ def test_failed_text_write_leaves_previous_file(tmp_path: Path, monkeypatch: pyt
 KILL_MID_WRITE = textwrap.dedent("""
     import io, os, sys, time
     import torch
-    from smp.torch import checkpoint_files as ckpt
+    from smp.torch.checkpointing import files as ckpt
 
     path, n_saves = sys.argv[1], int(sys.argv[2])
     real_save = torch.save
@@ -383,7 +383,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import os, sys, time
     import torch
     from smp.checkpoint import layout
-    from smp.torch import checkpoint_files as ckpt
+    from smp.torch.checkpointing import files as ckpt
 
     path, stall_on, resave = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     real_save, real_write_text, real_replace = ckpt.atomic_save, layout.atomic_write_text, os.replace

@@ -52,7 +52,7 @@ def _train(steps: range, model: Any, opt: Any, train_step: Any) -> list[float]:
 
 def _kill_while_writing(name: str) -> None:
     """On this rank, SIGKILL the process halfway through writing the checkpoint file ``name``."""
-    from smp.torch import checkpoint_files as files
+    from smp.torch.checkpointing import files
 
     real = files.atomic_save
 

@@ -82,13 +82,14 @@ class _NoInit(nn.Module):
 
 def _no_initialiser() -> str:
     import smp.torch as smp
+    from smp.torch.model.delayed import DelayedInitError
 
     smp.init({})
     with smp.delay_param_initialization():
         net = _NoInit()
     try:
         smp.DistributedModel(net)
-    except smp.delayed.DelayedInitError as e:
+    except DelayedInitError as e:
         return str(e)
     return "no error"
 

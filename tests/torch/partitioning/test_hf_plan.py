@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from smp.torch.hf_plan import estimate_tree, load_config, main, parse_size, plan_hf_model  # noqa: E402
+from smp.torch.partitioning.hf_plan import estimate_tree, load_config, main, parse_size, plan_hf_model  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "hf_configs")

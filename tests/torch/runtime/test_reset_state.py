@@ -29,16 +29,16 @@ def _patchable() -> list[object]:
 
 def _set(ts: object) -> list[str]:
     """The fields of a `TorchState` that hold something (the lock always does, so it is left out)."""
-    from smp.torch.process_state import TorchState
+    from smp.torch.runtime.process_state import TorchState
 
     return [f.name for f in fields(TorchState) if f.name != "lock" and getattr(ts, f.name)]
 
 
 def test_smp_state_reset_leaves_a_fresh_torch_state_and_undoes_open_contexts() -> None:
     import smp.torch as smp
-    from smp.torch import failure
     from smp.torch.nn import seed_tensor_parallel
-    from smp.torch.process_state import TorchState, torch_state
+    from smp.torch.runtime import failure
+    from smp.torch.runtime.process_state import TorchState, torch_state
 
     import smp.state as smp_state
 

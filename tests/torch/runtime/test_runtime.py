@@ -190,7 +190,7 @@ def test_the_heartbeat_thread_runs_from_init_to_reset_only() -> None:
 
 def _finish_early_on_rank_0() -> str:
     import smp.torch as smp
-    from smp.torch import failure
+    from smp.torch.runtime import failure
 
     smp.init({"pipeline_parallel_degree": 2, "comm_timeout": 60.0})
     smp.barrier()

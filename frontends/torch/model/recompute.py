@@ -14,7 +14,7 @@ from torch import nn
 
 import smp.state as smp_state
 
-from .errors import DistributedModelNotWrappedError
+from ..errors import DistributedModelNotWrappedError
 
 STRATEGIES = ("each", "contiguous")
 

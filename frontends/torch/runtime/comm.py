@@ -50,9 +50,9 @@ from smp.runtime.ranks import (
 from smp.runtime.ranks import group_kind as _kind
 from smp.topology import GroupKind
 
-from .errors import DDPNotEnabledError
+from ..errors import DDPNotEnabledError
 from .failure import wait
-from .runtime import runtime
+from .init import runtime
 
 __all__ = [
     "DP_GROUP", "MP_GROUP", "OBJECT_TAG", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",

@@ -3,7 +3,7 @@
 The layout itself -- file names, ``newest``, the staged and committed partial save (Note
 [checkpoint commit order]), the checks on reading back -- is framework-free in
 smp/checkpoint/layout.py. This module passes it ``torch.save``/``torch.load`` and gives the torch
-frontend one module to call (`smp.torch.saving` calls ``files.<verb>``): the verbs that write or
+frontend one module to call (`smp.torch.checkpointing.saving` calls ``files.<verb>``): the verbs that write or
 read objects are bound to the torch codec here, the others are the core's own functions.
 """
 

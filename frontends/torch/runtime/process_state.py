@@ -121,7 +121,7 @@ class Kept:
     Attributes:
         first_store: the rendezvous store of the first ``init``; every later init rendezvouses
             through it under a prefix of its own, and holding it keeps rank 0's TCPStore server
-            alive between a reset and the next init (Note [re-init] in runtime.py).
+            alive between a reset and the next init (Note [re-init] in runtime/init.py).
         inits: how many inits created a default group (the prefix of the next one; Note [re-init]).
         exit_hook: whether the atexit hook that tears the groups down is registered; atexit
             registers per process, and the hook does nothing while smp is not initialised.

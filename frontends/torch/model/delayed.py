@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from smp.errors import SMPError
 
-from .process_state import torch_state
+from ..runtime.process_state import torch_state
 
 __all__ = ["DelayedInitError", "DelayedPlan", "delay_param_initialization",
            "has_delayed_params", "pending_materialization", "plan_if_delayed", "attach_plan"]
@@ -94,7 +94,7 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         >>> layer.weight.is_meta
         True
     """
-    ts = torch_state()  # left on the state it entered in, as smp.partition (placement.py) is
+    ts = torch_state()  # left on the state it entered in, as smp.partition (partitioning/scopes.py) is
     outermost = not ts.delayed_contexts
     if outermost:
         ts.patch("delay_param_initialization", nn.Module, "register_parameter", _register_parameter)
@@ -245,8 +245,8 @@ class PendingMaterialization:
 
     def materialize(self, is_local: Callable[[nn.Parameter], bool], cfg: Any) -> None:
         """Allocate and initialise this rank's meta parameters; other ranks' become empty tensors."""
-        from .nn.group import resolve_group
-        from .nn.params import is_tp_sharded, shard_packed, tp_split_dim
+        from ..nn.group import resolve_group
+        from ..nn.params import is_tp_sharded, shard_packed, tp_split_dim
 
         if any(b.is_meta for b in self.root.buffers()):
             names = [n for n, b in self.root.named_buffers() if b.is_meta]

@@ -20,9 +20,9 @@ import smp.state as smp_state
 from smp.checkpoint.names import find_partial, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
-from . import checkpoint_files as files
-from .comm import WORLD, allgather, pp_rank, rank, rdp_rank, tp_rank
-from .process_state import torch_state
+from ..runtime.comm import WORLD, allgather, pp_rank, rank, rdp_rank, tp_rank
+from ..runtime.process_state import torch_state
+from . import files
 
 
 def take_pending(key: str, default: Any = None) -> Any:

@@ -18,7 +18,8 @@ from torch import nn
 import smp.state as smp_state
 from smp.errors import SMPError
 
-from .. import placement as partition_mod
+from .scopes import manual_scopes
+from .trace import auto_partition, lower, rehome_sequential_stateless, trace
 
 __all__ = ["check_saved_partition", "decide_partition"]
 
@@ -44,14 +45,14 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
     is the context the model is traced in (``smp.is_tracing()`` is true inside).
     """
     if not cfg.auto_partition:
-        scopes = partition_mod.manual_scopes(module, cfg)
-        part = scopes.resolve(partition_mod.lower(module, None))
+        scopes = manual_scopes(module, cfg)
+        part = scopes.resolve(lower(module, None))
         if smp_state.current().rank == 0:
             logger.info("manual partition:\n%s", part.report())
         return dict(part.assignment), part
     decision = None
     if smp_state.current().rank == 0:
-        from ..delayed import has_delayed_params
+        from ..model.delayed import has_delayed_params
 
         tr = None
         delayed = has_delayed_params(module)
@@ -60,12 +61,12 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
                         "traced; the partition follows parameter sizes and module counts")
         if not cfg.skip_tracing and not delayed:
             with tracing():
-                tr = partition_mod.trace(module, first_microbatch)
-        tree = partition_mod.lower(module, tr)
-        part = partition_mod.auto_partition(tree, cfg)
-        decision = partition_mod.rehome_sequential_stateless(module, dict(part.assignment))
+                tr = trace(module, first_microbatch)
+        tree = lower(module, tr)
+        part = auto_partition(tree, cfg)
+        decision = rehome_sequential_stateless(module, dict(part.assignment))
         logger.info("automatic partition:\n%s", part.report())
-    from ..comm import WORLD, allgather
+    from ..runtime.comm import WORLD, allgather
 
     decision = allgather(decision, WORLD)[0]
     assert decision is not None

@@ -1,7 +1,7 @@
 """Model creation: the one context that builds a model for smp (tensor parallelism, delayed init, dtype).
 
 It combines two independent contexts, `smp.torch.tp.marking.tensor_parallelism` and
-`smp.torch.delayed.delay_param_initialization`; it lives apart from both so that neither imports
+`smp.torch.model.delayed.delay_param_initialization`; it lives apart from both so that neither imports
 the other (the TP conversion reads the delayed-init plan, so `tp.marking` imports `delayed`).
 """
 
@@ -15,8 +15,8 @@ import torch
 
 import smp.state as smp_state
 
+from ..tp.marking import tensor_parallelism as tp_context
 from .delayed import delay_param_initialization
-from .tp.marking import tensor_parallelism as tp_context
 
 __all__ = ["model_creation"]
 
