@@ -1,16 +1,15 @@
-"""The torch binding of checkpoint files: `atomic_save`, the torch `Codec`, the save_checkpoint layout in torch files.
+"""The torch binding of checkpoint files: `atomic_save`, the torch `Codec`, save_checkpoint's verbs.
 
 The layout itself -- file names, ``newest``, the staged and committed partial save (Note
 [checkpoint commit order]), the checks on reading back -- is framework-free in
 smp/checkpoint/layout.py. This module passes it ``torch.save``/``torch.load`` and gives the torch
-frontend one module to call (`smp.torch.checkpointing.saving` calls ``files.<verb>``): the verbs that write or
-read objects are bound to the torch codec here, the others are the core's own functions.
+frontend one module to call (`smp.torch.checkpointing.saving` calls ``files.<verb>``): the verbs
+that write or read objects are bound to the torch codec here, the others are the core's own.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,8 +26,8 @@ from smp.checkpoint.layout import (
 )
 
 __all__ = [
-    "CODEC", "NEWEST", "TorchCodec", "atomic_save", "check_tag", "commit_partial_checkpoint", "detect_rankinfo", "load_file",
-    "prepare_partial_checkpoint", "read_full_checkpoint", "read_newest", "read_partial_checkpoint",
+    "CODEC", "NEWEST", "TorchCodec", "atomic_save", "check_tag", "commit_partial_checkpoint", "detect_rankinfo",
+    "load_file", "prepare_partial_checkpoint", "read_full_checkpoint", "read_newest", "read_partial_checkpoint",
     "write_full_checkpoint", "write_partial_checkpoint",
 ]
 
@@ -84,22 +83,9 @@ def load_file(path: str, what: str, fix: str, manifest: Manifest | None = None, 
     return _checked_load(CODEC, path, what, fix, manifest, **torch_load_kwargs)
 
 
-def write_partial_checkpoint(
-    path: str | os.PathLike[str],
-    tag: str,
-    rankinfo: str,
-    model_state: Any,
-    optimizer_state: Any,
-    user_content: Any,
-    config: Mapping[str, Any] | None,
-    write_shared: bool,
-    *,
-    save_id: str,
-    fp16_states: Any = None,
-    optimizer_rankinfo: str | None = None,
-    smp_version: str | None = None,
-) -> dict[str, FileRecord]:
-    """Phase 2 of a partial save in torch files (`smp.checkpoint.layout.write_partial_checkpoint`).
+def write_partial_checkpoint(*args: Any, **kwargs: Any) -> dict[str, FileRecord]:
+    """Phase 2 of a partial save in torch files: `smp.checkpoint.layout.write_partial_checkpoint`
+    (same arguments) with the torch codec.
 
     Example:
         >>> import tempfile
@@ -112,9 +98,7 @@ def write_partial_checkpoint(
         >>> read_partial_checkpoint(d, None, "0_0")["model"]["w"].tolist()
         [1.0]
     """
-    return layout.write_partial_checkpoint(
-        CODEC, path, tag, rankinfo, model_state, optimizer_state, user_content, config, write_shared,
-        save_id=save_id, fp16_states=fp16_states, optimizer_rankinfo=optimizer_rankinfo, smp_version=smp_version)
+    return layout.write_partial_checkpoint(CODEC, *args, **kwargs)
 
 
 def read_partial_checkpoint(

@@ -1,10 +1,11 @@
 """`smp.DistributedModel`: partitions a module across the pipeline and runs it through the engine.
 
-At wrap time nothing moves. On the first step (pp > 1) the partition is decided (`smp.torch.partitioning.decide`), then
-every rank keeps only its modules' parameters, module calls are dispatched to their owners
-(`dispatch`), parameters and buffers are broadcast from DP rank 0 (`data_parallel`), the
-post-partition hooks run and deferred ``load_state_dict`` calls apply (`state_dict`). What
-``@smp.step`` and checkpoints use of the model is declared in `interface`.
+At wrap time nothing moves. On the first step (pp > 1) the partition is decided
+(`smp.torch.partitioning.decide`), then every rank keeps only its modules' parameters, module
+calls are dispatched to their owners (`dispatch`), parameters and buffers are broadcast from DP
+rank 0 (`data_parallel`), the post-partition hooks run and deferred ``load_state_dict`` calls
+apply (`state_dict`). What ``@smp.step`` and checkpoints use of the model is declared in
+`interface`.
 """
 
 from __future__ import annotations
