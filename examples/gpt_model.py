@@ -1,7 +1,9 @@
 """A small GPT used by the demo and the benchmarks: embedding, pre-norm blocks, LM head.
 
-Written as an ``nn.Sequential`` so that consecutive blocks on one pipeline rank run as one request
-in smp, and so torch.distributed.pipelining can cut the same stages for the side-by-side benchmark.
+Written two ways from the same ``Embed``/``Block``/``Head`` classes: ``gpt()`` builds an
+``nn.Sequential`` (the demo uses it), ``GPT`` is the usual ``nn.Module`` with a ``ModuleList`` of
+blocks and a ``for`` loop in ``forward``. Both create their modules in the same order, so with the
+same seed they hold the same parameters (``sequential_to_modulelist_keys`` maps the state dicts).
 """
 
 from __future__ import annotations
@@ -53,6 +55,30 @@ class Head(nn.Module):
 def gpt(vocab: int = 4096, width: int = 256, layers: int = 8, heads: int = 4, seq: int = 128) -> nn.Sequential:
     """The model: ``Sequential(Embed, Block x layers, Head)``; returns logits (batch, seq, vocab)."""
     return nn.Sequential(Embed(vocab, width, seq), *[Block(width, heads) for _ in range(layers)], Head(width, vocab))
+
+
+class GPT(nn.Module):
+    """The same model written the usual way: ``self.blocks = nn.ModuleList(...)`` and a loop."""
+
+    def __init__(self, vocab: int = 4096, width: int = 256, layers: int = 8, heads: int = 4, seq: int = 128) -> None:
+        super().__init__()
+        self.embed = Embed(vocab, width, seq)
+        self.blocks = nn.ModuleList([Block(width, heads) for _ in range(layers)])
+        self.head = Head(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def sequential_to_modulelist_keys(layers: int = 8) -> dict[str, str]:
+    """Prefix map from ``gpt()``'s state-dict keys to ``GPT``'s: ``"0."`` -> ``"embed."``, ..."""
+    out = {"0.": "embed."}
+    out.update({f"{i + 1}.": f"blocks.{i}." for i in range(layers)})
+    out[f"{layers + 1}."] = "head."
+    return out
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
