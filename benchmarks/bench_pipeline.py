@@ -1,12 +1,24 @@
-"""smp's pipeline engine against torch.distributed.pipelining on the same GPT, 2 CPU ranks (gloo).
+"""smp's pipeline engine against torch.distributed.pipelining on the same models, 2 CPU ranks (gloo).
 
-Model: 8 layers, width 256, seq 128, vocab 4096; one step = 8 microbatches of 2 sequences. Both
-sides cut the same stages (embedding + blocks 0-3 | blocks 4-7 + head), run with one thread per
-rank, and report the median step time after warm-up; one launch per side. Printed: each side's
-time, ours/theirs, the single-process time, and the 1F1B limit
-``single / p * (m + p - 1) / m``.
+Three models of the same size (8 layers, width 256, seq 128, vocab 4096), each written as users
+write them; one step = 8 microbatches of 2 sequences, the same data on every side:
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--steps 8] [--warmup 2]
+- ``sequential``: the GPT of ``examples/gpt_model.py`` as ``nn.Sequential`` (``gpt()``);
+- ``modulelist``: the same GPT written the usual way (``GPT``: ``ModuleList`` and a ``for`` loop);
+- ``hf-llama``: an unmodified Hugging Face ``LlamaForCausalLM`` built from config (SDPA attention,
+  4 heads, MLP width 1024), loss = cross-entropy of the logits against the next tokens.
+
+torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over the same layers
+(first half of the layers + embedding | second half + head); smp runs the SMP v1 script shape
+(``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
+``model.backward(loss)``) with the same cut through ``smp.set_partition`` and, for the HF model,
+also with ``auto_partition`` (SMP v1's default). One thread per rank, one launch per side and
+schedule; printed per model: the single-process time, the 1F1B limit
+``single / p * (m + p - 1) / m``, and per row the median step time after warm-up, what runs on
+rank 1 and, for smp, the microbatch chain recorded on the first step.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--model all|sequential|modulelist|hf-llama]
+        [--steps 8] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -16,17 +28,20 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-from examples.gpt_model import gpt, lm_loss  # noqa: E402
+from examples.gpt_model import GPT, gpt, lm_loss  # noqa: E402
 from tests.helpers.spawn import run_ranks  # noqa: E402
 
-M, MB, SEQ, VOCAB = 8, 2, 128, 4096
+M, MB, SEQ, VOCAB, LAYERS, WIDTH = 8, 2, 128, 4096, 8, 256
+CUT = LAYERS // 2  # the first layer on rank 1
 
 
 def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,31 +53,126 @@ def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def single(steps: int, warmup: int) -> list[float]:
+# --- the models, and torch's hand-written stages over their layers -------------------------------------
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH,
+                                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=SEQ, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+class _GPTFirst(nn.Module):
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.embed, self.blocks = model.embed, model.blocks[:CUT]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _GPTSecond(nn.Module):
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.blocks, self.head = model.blocks[CUT:], model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class _LlamaLayers(nn.Module):
+    """Decoder layers as ``LlamaModel.forward`` calls them; rotary embeddings recomputed from positions.
+
+    ``attention_mask=None`` with SDPA and no padding makes attention causal through ``is_causal``,
+    which is what ``LlamaModel`` itself does for unpadded input.
+    """
+
+    def __init__(self, hf: Any, first: bool) -> None:
+        super().__init__()
+        body = hf.model
+        self.rotary = body.rotary_emb
+        self.layers = body.layers[:CUT] if first else body.layers[CUT:]
+        self.embed = body.embed_tokens if first else None
+        self.norm = None if first else body.norm
+        self.lm_head = None if first else hf.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = self.rotary(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        if self.norm is None:
+            return h
+        return self.lm_head(self.norm(h))
+
+
+def _stage_sequential(model: nn.Sequential, rank: int) -> nn.Module:
+    return nn.Sequential(*list(model)[:CUT + 1]) if rank == 0 else nn.Sequential(*list(model)[CUT + 1:])
+
+
+def _cut_sequential(model: nn.Sequential) -> list[nn.Module]:
+    return list(model)[CUT + 1:]
+
+
+def _cut_modulelist(model: GPT) -> list[nn.Module]:
+    return [*model.blocks[CUT:], model.head]
+
+
+def _cut_llama(hf: Any) -> list[nn.Module]:
+    return [*hf.model.layers[CUT:], hf.model.norm, hf.lm_head]
+
+
+# name -> (build, logits(model, ids), torch stage for a rank, modules smp's manual cut puts on rank 1,
+#          what torch's stage 1 holds)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[Any, torch.Tensor], torch.Tensor],
+                        Callable[[Any, int], nn.Module], Callable[[Any], list[nn.Module]], str]] = {
+    "sequential": (gpt, lambda m, x: m(x), _stage_sequential, _cut_sequential, "5-9"),
+    "modulelist": (GPT, lambda m, x: m(x), lambda m, r: _GPTFirst(m) if r == 0 else _GPTSecond(m),
+                   _cut_modulelist, "blocks.4-7, head"),
+    "hf-llama": (_llama, lambda m, x: m(input_ids=x).logits, lambda m, r: _LlamaLayers(m, r == 0),
+                 _cut_llama, "model.layers.4-7, model.norm, lm_head"),
+}
+SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual",), "hf-llama": ("manual", "auto")}
+
+
+# --- one process, torch, smp ---------------------------------------------------------------------------
+
+
+def single(name: str, steps: int, warmup: int) -> list[float]:
+    build, logits, *_ = MODELS[name]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = gpt()
+    model = build()
     times = []
     for x, y in _data(steps + warmup):
         start = time.perf_counter()
         model.zero_grad()
         for xm, ym in zip(x.chunk(M), y.chunk(M)):
-            (lm_loss(model(xm), ym) / M).backward()
+            (lm_loss(logits(model, xm), ym) / M).backward()
         times.append(time.perf_counter() - start)
     return times[warmup:]
 
 
-def theirs(schedule: str, steps: int, warmup: int) -> list[float]:
+def theirs(name: str, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    build, _, stage_of, _, _ = MODELS[name]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + os.environ["SMP_RENDEZVOUS_FILE"],
                             rank=int(os.environ["RANK"]), world_size=2)
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = gpt()
-    part = torch.nn.Sequential(*list(model)[:5]) if rank == 0 else torch.nn.Sequential(*list(model)[5:])
+    part = stage_of(build(), rank)
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     sched = cls(stage, n_microbatches=M, loss_fn=lm_loss)
@@ -76,26 +186,48 @@ def theirs(schedule: str, steps: int, warmup: int) -> list[float]:
         else:
             sched.step(target=y, losses=[])
         times.append(time.perf_counter() - start)
-    return times[warmup:]
+    return {"times": times[warmup:]}
 
 
-def ours(schedule: str, steps: int, warmup: int) -> list[float]:
+def _on_rank1(assignment: dict[str, int]) -> str:
+    """The outermost modules on rank 1, runs of numbered siblings collapsed: ``model.layers.4-7, lm_head``."""
+    tops = [p for p, r in assignment.items() if r == 1 and p and assignment.get(p.rpartition(".")[0], 0) != 1]
+    out: list[str] = []
+    for path in tops:
+        parent, _, leaf = path.rpartition(".")
+        prefix = parent + "." if parent else ""
+        if leaf.isdigit() and out and out[-1].startswith(prefix):
+            last = out[-1][len(prefix):]
+            lo, _, hi = last.partition("-")
+            if lo.isdigit() and int(hi or lo) + 1 == int(leaf):
+                out[-1] = f"{prefix}{lo}-{leaf}"
+                continue
+        out.append(path)
+    return ", ".join(out) or "-"
+
+
+def ours(name: str, schedule: str, cut: str, steps: int, warmup: int) -> dict[str, Any]:
     import smp.torch as smp
 
+    build, logits, _, manual, _ = MODELS[name]
     torch.set_num_threads(1)
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": schedule,
-              "active_microbatches": M if schedule == "simple" else 4, "auto_partition": False,
-              "default_partition": 0})
+    cfg: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": schedule,
+                           "active_microbatches": M if schedule == "simple" else 4,
+                           "auto_partition": cut == "auto"}
+    if cut == "manual":
+        cfg["default_partition"] = 0
+    smp.init(cfg)
     torch.manual_seed(0)
-    net = gpt()
+    net = build()
     model = smp.DistributedModel(net)
-    for layer in list(net)[5:]:
-        smp.set_partition(layer, 1)
+    if cut == "manual":
+        for module in manual(net):
+            smp.set_partition(module, 1)
     model.register_post_partition_hook(lambda *_: None)
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(model(x), y)
+        loss = lm_loss(logits(model, x), y)
         model.backward(loss)
         return loss
 
@@ -106,31 +238,49 @@ def ours(schedule: str, steps: int, warmup: int) -> list[float]:
         model.zero_grad()
         train_step(model, x, y)
         times.append(time.perf_counter() - start)
-    return times[warmup:]
+    chain = next(iter(model.plans.values())).chain if model.plans else []
+    return {"times": times[warmup:], "chain": list(chain), "rank1": _on_rank1(model.partition_assignment)}
+
+
+def _chain(chain: list[int]) -> str:
+    return "-".join(map(str, chain)) if len(chain) <= 9 else f"len {len(chain)}"
+
+
+def bench(name: str, steps: int, warmup: int) -> None:
+    env = {"OMP_NUM_THREADS": "1"}
+    one = statistics.median(single(name, steps, warmup))
+    rows = []
+    launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
+        ("torch.distributed.pipelining", theirs, (name, s, steps, warmup)) for s in ("1f1b", "gpipe")]
+    launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup))
+                 for cut in SMP_CUTS[name] for s in ("1f1b", "interleaved", "simple")]
+    for label, fn, args in launches:
+        out = run_ranks(fn, 2, args=args, env=env, timeout=900)
+        t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
+        rank1 = out[0].get("rank1", MODELS[name][4])
+        rows.append((label, args[1], t, rank1, _chain(out[0]["chain"]) if "chain" in out[0] else "-"))
+    p = 2
+    limit = one / p * (M + p - 1) / M
+    best_theirs = min(t for label, _, t, _, _ in rows if not label.startswith("smp"))
+    print(f"\nmodel {name}")
+    print(f"single process, 1 thread, {M} microbatches of {MB}: {one * 1e3:.0f} ms/step")
+    print(f"1F1B limit single/p*(m+p-1)/m = {limit * 1e3:.0f} ms\n")
+    print("| engine | schedule | ms/step (median) | / best torch | / 1F1B limit | speedup vs 1 process "
+          "| on rank 1 | chain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, sched, t, rank1, chain in rows:
+        print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / limit:.3f} | {one / t:.2f}x "
+              f"| {rank1} | {chain} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["all", *MODELS], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    env = {"OMP_NUM_THREADS": "1"}
-    one = statistics.median(single(args.steps, args.warmup))
-    rows = []
-    for label, fn, sched in (("torch.distributed.pipelining", theirs, "1f1b"),
-                             ("torch.distributed.pipelining", theirs, "gpipe"),
-                             ("smp", ours, "1f1b"), ("smp", ours, "interleaved"), ("smp", ours, "simple")):
-        times = run_ranks(fn, 2, args=(sched, args.steps, args.warmup), env=env, timeout=900)
-        rows.append((label, sched, statistics.median(max(t) for t in zip(*times))))
-    p = 2
-    limit = one / p * (M + p - 1) / M
-    best_theirs = min(t for label, _, t in rows if label != "smp")
-    print(f"single process, 1 thread, {M} microbatches of {MB}: {one * 1e3:.0f} ms/step")
-    print(f"1F1B limit single/p*(m+p-1)/m = {limit * 1e3:.0f} ms\n")
-    print("| engine | schedule | ms/step (median) | / best torch | / 1F1B limit | speedup vs 1 process |")
-    print("|---|---|---|---|---|---|")
-    for label, sched, t in rows:
-        print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / limit:.3f} | {one / t:.2f}x |")
+    for name in MODELS if args.model == "all" else [args.model]:
+        bench(name, args.steps, args.warmup)
 
 
 if __name__ == "__main__":
