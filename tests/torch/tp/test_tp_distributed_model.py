@@ -144,22 +144,43 @@ def test_automatic_partition_under_tp(reference: Reference) -> None:
     _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", True), timeout=300), reference)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_placement_strategy_tp_pp(reference: Reference, placement: str) -> None:
-    _check(run_ranks(_train, 4, args=(2, 1, False, placement), timeout=300), reference)
+def _train_each(rdp: int, cases: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """`_train` at tp=2 x pp=2 x ``rdp`` once per (placement, prescaled), ``smp.reset()`` between:
+    one launch instead of one per case (on 2 cores, starting the ranks costs more than training
+    the tiny model)."""
+    import smp.torch as smp
+
+    results = []
+    for placement, prescaled in cases:
+        results.append(_train(2, rdp, prescaled, placement))
+        smp.reset()
+    return results
+
+
+def _check_each(world: int, rdp: int, cases: list[tuple[str, bool]], ref: Reference) -> None:
+    per_rank = run_ranks(_train_each, world, args=(rdp, cases), timeout=900)
+    assert all(len(results) == len(cases) for results in per_rank)
+    for i, (placement, prescaled) in enumerate(cases):
+        try:
+            _check([results[i] for results in per_rank], ref)
+        except AssertionError as e:
+            batches = "prescaled" if prescaled else "per-rank batches"
+            raise AssertionError(f"placement {placement!r}, {batches}: {e}") from e
+
+
+def test_every_placement_strategy_tp_pp(reference: Reference) -> None:
+    """tp=2 x pp=2, per-rank batches, under every placement (one launch, reset between)."""
+    _check_each(4, 1, [(placement, False) for placement in PLACEMENTS], reference)
 
 
 EIGHT_RANKS = [(placement, False) for placement in PLACEMENTS] + [("cluster", True), ("spread", True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement,prescaled", EIGHT_RANKS,
-                         ids=[f"{p}-{'prescaled' if b else 'per-rank-batches'}" for p, b in EIGHT_RANKS])
-def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: Reference, placement: str,
-                                                      prescaled: bool) -> None:
+def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: Reference) -> None:
     """tp=2 x pp=2 x rdp=2 with 2 microbatches: per-rank batches of 2 sequences under every
     placement, and prescaled batches (4 sequences per replica, pp > 1 and rdp > 1 together)."""
-    _check(run_ranks(_train, 8, args=(2, 2, prescaled, placement), timeout=600), reference)
+    _check_each(8, 2, EIGHT_RANKS, reference)
 
 
 def _unequal() -> str:
