@@ -8,13 +8,14 @@ every file name, the write order and the checks, the same for every frontend.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Protocol
 
-from smp.checkpoint.atomic import FileRecord
+from smp.checkpoint.atomic import FileRecord, atomic_write
 from smp.checkpoint.manifest import MANIFEST, Manifest, verify_file
 from smp.errors import SMPCheckpointError
 
-__all__ = ["Codec", "load_file"]
+__all__ = ["Codec", "PickleCodec", "load_file"]
 
 
 class Codec(Protocol):
@@ -24,16 +25,8 @@ class Codec(Protocol):
     then holds its old or its new content whatever happens to the process, and the `FileRecord` it
     returns goes into the save's manifest.
 
-    Example (a plain-Python codec, as the core's tests use):
-        >>> import os, pickle, tempfile
-        >>> from smp.checkpoint import atomic_write
-        >>> class PickleCodec:
-        ...     name = "pickle"
-        ...     def save(self, obj, path):
-        ...         return atomic_write(path, lambda f: pickle.dump(obj, f))
-        ...     def load(self, path, **kwargs):
-        ...         with open(path, "rb") as f:
-        ...             return pickle.load(f, **kwargs)
+    Example (`PickleCodec`, the core's own plain-Python codec):
+        >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "model_0_0.pt")
         >>> PickleCodec().save({"w": [1.0]}, p).size > 0
         True
@@ -51,6 +44,19 @@ class Codec(Protocol):
     def load(self, path: str, **kwargs: Any) -> Any:
         """Read the object in ``path``; ``kwargs`` are the frontend's options (``map_location``)."""
         ...
+
+
+class PickleCodec:
+    """`pickle` through `atomic_write`: a `Codec` with no framework (the core's tests and doctests)."""
+
+    name = "pickle"
+
+    def save(self, obj: Any, path: str) -> FileRecord:
+        return atomic_write(path, lambda f: pickle.dump(obj, f))
+
+    def load(self, path: str, **kwargs: Any) -> Any:
+        with open(path, "rb") as f:
+            return pickle.load(f)
 
 
 def load_file(codec: Codec, path: str, what: str, fix: str, manifest: Manifest | None = None,

@@ -44,15 +44,8 @@ old directories, never a missing one that ``newest`` names. A resume checks each
 against the manifest, so a file that is not the one its save wrote is refused by name.
 
 Example (one rank, with a plain-Python codec; ``smp.torch`` passes ``torch.save``/``torch.load``):
-    >>> import os, pickle, tempfile
-    >>> from smp.checkpoint import atomic_write
-    >>> class PickleCodec:
-    ...     name = "pickle"
-    ...     def save(self, obj, path):
-    ...         return atomic_write(path, lambda f: pickle.dump(obj, f))
-    ...     def load(self, path, **kwargs):
-    ...         with open(path, "rb") as f:
-    ...             return pickle.load(f)
+    >>> import os, tempfile
+    >>> from smp.checkpoint.codec import PickleCodec
     >>> d = tempfile.mkdtemp()
     >>> sid = prepare_partial_checkpoint(d, "step_1")
     >>> rec = write_partial_checkpoint(PickleCodec(), d, "step_1", rank_info(0, 0), {"w": [1.0]}, {},

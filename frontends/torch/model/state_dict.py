@@ -125,11 +125,11 @@ def gather_to_cpu(model: LocalView) -> None:
     """
     if not _split(model):
         return
-    full = merge_stages(model, stage_state(model, full_tp=False), "all")
-    local = set(local_state_tensors(model))
+    stage = stage_state(model, full_tp=False)
+    full = merge_stages(model, stage, "all")
     with torch.no_grad():
         for name, t in model.module.state_dict(keep_vars=True).items():
-            if name in full and name not in local:
+            if name in full and name not in stage:
                 if isinstance(t, nn.Parameter) and t.numel() == 0:
                     t.data = full[name].clone()
                 elif t.shape == full[name].shape:

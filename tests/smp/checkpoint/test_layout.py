@@ -8,7 +8,6 @@ from __future__ import annotations
 import doctest
 import json
 import os
-import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,8 @@ from smp.errors import SMPCheckpointError
 CONFIG = {"microbatches": 2}
 
 
-class PickleCodec:
-    """The smallest `Codec`: pickle through `atomic_write`; records what it was asked to do."""
-
-    name = "pickle"
+class PickleCodec(codec.PickleCodec):
+    """The core's pickle `Codec`, recording what it was asked to do (and failing on request)."""
 
     def __init__(self, fail_on: str | None = None) -> None:
         self.fail_on = fail_on
@@ -53,12 +50,11 @@ class PickleCodec:
         if self.fail_on is not None and os.path.basename(path) == self.fail_on:
             raise OSError(28, "No space left on device", path)
         self.saved.append(os.path.basename(path))
-        return atomic_write(path, lambda f: pickle.dump(obj, f))
+        return super().save(obj, path)
 
     def load(self, path: str, **kwargs: Any) -> Any:
         self.load_kwargs.append(kwargs)
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        return super().load(path)
 
 
 class JsonCodec:
