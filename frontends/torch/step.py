@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,7 @@ class StepFunction:
         policy = "simple" if cfg.pipeline == "simple" else "interleaved"
         plan = expected = None
         lights: list[tuple[str, int]] = []
-        if recorded is not None:
+        if recorded is not None and recorded.static:
             try:
                 plan, expected, lights = rank_plan(cfg.pipeline_section(), recorded.chain, recorded.backward,
                                                    model.pp_rank, engine.light, recorded.costs,
@@ -89,16 +90,22 @@ class StepFunction:
         # The first (recording) step runs one microbatch at a time: its order cannot depend on
         # timing, so buffers such as BatchNorm statistics see the microbatches in order, and the
         # durations measured to pick light actions are undisturbed.
-        active = cfg.active_microbatches if recorded is not None else 1
+        # With TP and no static plan, TP peers must still run one order: one microbatch at a time.
+        active = cfg.active_microbatches if recorded is not None and (recorded.static or engine.strict_order is False) \
+            else 1
+        # A plan that waits longer than a few recorded steps for an action lost track of a microbatch
+        # (one that skipped a planned visit here); the dynamic rule takes over (Baton.stall_s).
+        stall = None if plan is None else min(float(cfg.comm_timeout) / 2, max(2.0, 3 * recorded.seconds))
         baton = Baton(plan, policy, active, float(cfg.comm_timeout),
-                      on_fallback=engine.notify_dynamic, expected=expected, light_plan=lights)
+                      on_fallback=engine.notify_dynamic, expected=expected, light_plan=lights, stall_s=stall)
         leader = model.pp_rank == 0
         bodies = [functools.partial(self.func, *a, **k) for a, k in parts] if leader else None
 
         def payload(_results: list[Any]) -> Any:
             task = engine.tasks[0]
-            return {"chain": task.chain or [0], "backward": task.backward_called}
+            return {"chain": task.chain or [0], "backward": task.backward_called, "trail": task.trail}
 
+        started = time.perf_counter()
         results, info = engine.run_step(bodies, len(parts), baton, torch.is_grad_enabled(), payload)
         model.last_timeline = list(engine.events)
         if recorded is None and info is not None:
@@ -115,7 +122,15 @@ class StepFunction:
                 # differs between peers: with TP every action takes the baton.
             engine.mark_light(per_rank[model.pp_rank] if cfg.tensor_parallel_degree == 1 else {})
             chain = list(info["chain"])
-            model.plans[key] = RecordedStep(chain, bool(info["backward"]), segment_costs(chain, per_rank))
+            # The scheduler's plans walk the chain backward in reverse; a step whose backward skips
+            # some of its forward visits (calls under no_grad, detached outputs) keeps the dynamic order.
+            static = not info["backward"] or list(info["trail"][len(chain):]) == chain[::-1]
+            model.plans[key] = RecordedStep(chain, bool(info["backward"]), segment_costs(chain, per_rank), static,
+                                             time.perf_counter() - started)
+            if not static:
+                logger.warning("step %s: its backward visits ranks %s, not the forward chain %s in reverse; "
+                               "SMP v1's dynamic order is used for it", self.func.__name__,
+                               "->".join(map(str, info["trail"][len(chain):])), "->".join(map(str, chain)))
             if smp_state.current().rank == 0:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)

@@ -40,12 +40,17 @@ class Baton:
     def __init__(self, plan: Sequence[tuple[str, int]] | None, policy: str, active_microbatches: int,
                  timeout_s: float, on_fallback: Callable[[str], None] | None = None,
                  expected: Sequence[tuple[str, int]] | None = None,
-                 light_plan: Sequence[tuple[str, int]] = ()) -> None:
+                 light_plan: Sequence[tuple[str, int]] = (), stall_s: float | None = None) -> None:
         self._cv = threading.Condition()
         self.plan = list(plan) if plan is not None else None
         self.policy = policy
         self.active = max(1, active_microbatches)
         self.timeout_s = timeout_s
+        # In plan mode, how long the baton may sit free with microbatches waiting before the plan is
+        # given up: a microbatch that skips a planned visit to this rank (data-dependent control
+        # flow) is invisible here, and the dynamic rule serves whoever is ready.
+        self.stall_s = stall_s
+        self._changed = time.monotonic()
         self.on_fallback = on_fallback
         self.cursor = 0
         self.holder: int | None = None
@@ -143,15 +148,24 @@ class Baton:
                                 break
                         elif self._dynamic_allows(kind, mb, new):
                             break
-                    left = deadline - time.monotonic()
+                    now = time.monotonic()
+                    if (self.plan is not None and self.stall_s is not None and self.holder is None
+                            and now - self._changed > self.stall_s):
+                        self._go_dynamic_locked(
+                            f"the baton stayed free {now - self._changed:.1f} s while microbatches "
+                            f"{sorted(self.waiting)} waited for planned action {self.cursor} "
+                            f"({self.plan[self.cursor] if self.cursor < len(self.plan) else 'end'})", True)
+                        continue
+                    left = deadline - now
                     if left <= 0:
                         raise CommTimeoutError(
                             f"microbatch {mb} waited {self.timeout_s:g} s to run {kind} on this rank "
                             f"(plan position {self.cursor}, holder {self.holder}, waiting {sorted(self.waiting)})")
-                    self._cv.wait(min(left, 1.0))
+                    self._cv.wait(min(left, 1.0, self.stall_s or 1.0))
             finally:
                 del self.waiting[mb]
             self.holder = mb
+            self._changed = time.monotonic()
             if new:
                 self.started.add(mb)
             self.order.append((kind, mb))
@@ -200,4 +214,5 @@ class Baton:
             if finished and self.holder is not None:
                 self.finished.add(self.holder)
             self.holder = None
+            self._changed = time.monotonic()
             self._cv.notify_all()

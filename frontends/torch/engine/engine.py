@@ -3,19 +3,32 @@
 Every pipeline rank runs `Engine.run_step`. The step body runs on the leader (pp_rank 0), once per
 microbatch, each microbatch in its own thread. When a microbatch's code calls a module owned by
 another pipeline rank, the call becomes a request: the owner runs the module's forward in that
-microbatch's thread on its side, keeps the autograd graph, and replies with the outputs. The
-requester's side of the call is an autograd Function, so backward crosses back the same way: its
-backward sends the output gradients to the owner, which runs backward on the kept graph and replies
-with the input gradients. A microbatch is one logical thread of control hopping between ranks; a
-thread waiting for a reply also serves the nested requests of its own microbatch (ping-pong
-chains such as 0 -> 1 -> 0 -> 1 -> 0).
+microbatch's thread on its side and keeps the outputs, with their autograd graph, for the rest of
+the microbatch. The reply carries only their metadata: the caller gets a `RemoteTensor` for each
+(refs.py), so an output that the caller's code only passes on to the next module on the same rank
+never comes back (SMP v1's ``fast_mode``). A value moves when something reads it: the caller
+fetches it, and the fetched tensor is an autograd node (`_Fetch`) whose backward sends its
+gradient to the owner, which runs backward on its kept graph and replies with the gradients of
+the tensors the caller had sent it. Outputs a caller read right away on an earlier step come back
+in the reply itself (no extra round trip). A tensor sent to the same rank again in the same
+microbatch unchanged (rotary embeddings, masks) travels once.
 
-Which microbatch runs next on a rank is the `Baton`'s decision (order.py): the static plan from the
-shared scheduler, built from the chain of ranks microbatch 0 visited on the first step, or SMP v1's
-dynamic rule on the first step and whenever a step strays from the recorded chain.
+A microbatch is one logical thread of control hopping between ranks; a thread waiting for a reply
+also serves the nested requests of its own microbatch (ping-pong chains such as 0 -> 1 -> 0 -> 1).
 
-Message kinds: forward request/reply, backward request/reply, error, done (the leader's results
-for the followers), stop (end of a rank's sending), dynamic (a peer fell back to the dynamic rule).
+Which microbatch runs next on a rank is the `Baton`'s decision (smp.pipeline.baton): the static
+plan from the shared scheduler, built from the chain of ranks microbatch 0 visited on the first
+step, or SMP v1's dynamic rule on the first step and whenever a step strays from the recorded
+chain. An action is what a microbatch does on a rank while it holds the baton; the chain lists the
+actions in order. A reply that carries no values keeps the owner's action open ("an open run"):
+the caller's next call to the same rank continues it, and only the caller doing work of its own
+(a torch op on a reference, a module of its own, a fetch, ``model.backward``, the step's end) or
+calling a third rank ends it. So a Hugging Face decoder loop whose second half of layers sits on
+rank 1 records the chain 0 -> 1 -> 0, not one hop per layer.
+
+Message kinds: forward request/reply, backward request/reply, fetch request/reply, end of an open
+run, end of a microbatch (the owners free its values), error, done (the leader's results for the
+followers), stop (end of a rank's sending), dynamic (a peer fell back to the dynamic rule).
 """
 
 from __future__ import annotations
@@ -36,11 +49,14 @@ from smp.errors import RemoteRankError, SMPError
 from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 
 from ..runtime import failure
-from .wire import Message, Transport, pack, unpack
+from .refs import RemoteTensor, resolve
+from .wire import Cached, Message, Out, Ref, Slot, Transport, map_structure, pack, unpack
 
 logger = logging.getLogger("smp")
 
-FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END = range(1, 10)
+(FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END, FETCH, FETCH_REP, END_RUN,
+ MB_END) = range(1, 14)
+_REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
 
@@ -49,12 +65,14 @@ _POLL_S = 0.2
 _local = threading.local()
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
-# A tensor the step body computes from a cross-rank call (a loss, the logits the step returns)
-# owns an autograd graph whose `_RemoteCall` node holds its ctx, and the ctx holds the call. If
-# the call held its task strongly, task -> result -> graph -> ctx -> call -> task would be a cycle
-# that runs through C++ autograd nodes, which the cyclic GC cannot traverse: every step's tasks,
-# results and graphs (the full logits of every microbatch) would stay alive for good. So a call
-# refers to its task weakly, and `run_step` drops the step's tasks before it returns.
+# A tensor the step body computes from a fetched value (a loss, the logits the step returns)
+# owns an autograd graph whose `_Fetch` node holds its ctx. If the ctx held its task strongly,
+# task -> values -> graph -> ctx -> task would be a cycle that runs through C++ autograd nodes,
+# which the cyclic GC cannot traverse: every step's tasks, values and graphs would stay alive for
+# good. So fetches (and references) refer to their task weakly, and `run_step` drops the step's
+# tasks before it returns.
+
+LeafId = tuple[int, int, int]  # (sender pp_rank, sender's call number, slot): a tensor a rank received
 
 
 def current_task() -> Task | None:
@@ -82,8 +100,6 @@ class Task:
     engine: Engine
     microbatch: int
     inbox: queue.SimpleQueue[Message] = field(default_factory=queue.SimpleQueue)
-    saved: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[torch.Tensor], list[bool]]] = field(
-        default_factory=dict)
     calls: int = 0
     trail: list[int] = field(default_factory=list)
     chain: list[int] | None = None
@@ -93,6 +109,25 @@ class Task:
     in_light: bool = False
     grad_enabled: bool = True
     backward_called: bool = False
+    holding: bool = False  # holds this rank's baton
+    run_with: int | None = None  # the peer whose action stays open for this microbatch's next call
+    # Owner side: outputs kept for callers (key -> tensor with its graph), tensors received (by
+    # LeafId), and the kept outputs a caller fetched with a gradient to come.
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    leaves: dict[LeafId, torch.Tensor] = field(default_factory=dict)
+    exported: set[int] = field(default_factory=set)
+    # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
+    # order, and every tensor sent (id -> (weakref, version, needs grad, LeafId)) so a repeat travels as `Cached`.
+    sent: dict[int, list[tuple[LeafId, torch.Tensor]]] = field(default_factory=dict)
+    cache: dict[int, dict[int, tuple[Any, int, bool, LeafId]]] = field(default_factory=dict)
+
+    def free(self) -> None:
+        """Drop what this microbatch kept for others (its step part is over)."""
+        self.values.clear()
+        self.leaves.clear()
+        self.exported.clear()
+        self.sent.clear()
+        self.cache.clear()
 
 
 class _Worker:
@@ -115,41 +150,42 @@ class _Stop(Exception):
     """Unwinds a task thread when the step ends or fails elsewhere."""
 
 
-class _RemoteCall(torch.autograd.Function):
-    """The requester's side of a cross-rank module call, visible to autograd."""
+class _Fetch(torch.autograd.Function):
+    """A value fetched from the rank that computed it, visible to autograd on the fetching rank.
+
+    Its inputs are the tensors this microbatch sent that rank so far (the value can depend only on
+    those); its backward sends the value's gradient to the owner, which backpropagates through its
+    kept graph and returns the gradients of those tensors.
+    """
 
     @staticmethod
-    def forward(ctx: Any, call: dict[str, Any], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:  # noqa: ARG004
-        engine: Engine = call["engine"]
-        outs, flags = engine._forward_exchange(call, tensors)
-        ctx.call = call
-        ctx.needs = [t.requires_grad for t in tensors]
-        ctx.flags = flags
-        ctx.mark_non_differentiable(*[o for o, f in zip(outs, flags) if not f])
+    def forward(ctx: Any, info: dict[str, Any], anchor: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        ctx.info = info
         ctx.set_materialize_grads(False)
-        return tuple(outs)
+        value: torch.Tensor = info.pop("data")
+        return value
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        call = ctx.call
-        engine: Engine = call["engine"]
-        sent = [g if f else None for g, f in zip(grads, ctx.flags)]
-        in_grads = engine._backward_exchange(call, sent, ctx.needs)
-        return (None, None, *in_grads)
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        info = ctx.info
+        if grad is None:
+            return (None, None, *[None] * len(info["deps"]))
+        engine: Engine = info["engine"]
+        return (None, None, *engine._backward_exchange(info, grad))
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)
 
 
-def _call_task(call: dict[str, Any]) -> Task:
-    """The task a cross-rank call belongs to (held weakly: see Note [task lifetime])."""
-    task: Task | None = call["task"]()
+def _info_task(info: dict[str, Any]) -> Task:
+    """The task a fetched value belongs to (held weakly: see Note [task lifetime])."""
+    task: Task | None = info["task"]()
     if task is None:
         raise SMPError(
-            f"backward reached the cross-rank call of module {call['path']!r} after its @smp.step call ended; "
-            "the pipeline runs a microbatch's backward only inside the step. Fix: call model.backward(loss) "
-            "inside the @smp.step function (outputs returned with detach_outputs=False cannot be "
-            "backpropagated through the pipeline afterwards)")
+            f"backward reached an output of module {info['path']!r} (computed on pp_rank {info['owner']}) after "
+            "its @smp.step call ended; the pipeline runs a microbatch's backward only inside the step. Fix: call "
+            "model.backward(loss) inside the @smp.step function (outputs returned with detach_outputs=False cannot "
+            "be backpropagated through the pipeline afterwards)")
     return task
 
 
@@ -182,6 +218,12 @@ class Engine:
         # without the baton, next to the holder (see `mark_light`).
         self.light: set[tuple[str, int]] = set()
         self.strict_order = False
+        # Outputs (by call, index) this rank read as soon as the call returned: later steps ask the
+        # owner to send them with the reply.
+        self.eager: dict[tuple[int, str], set[int]] = {}
+        # Keep outputs where they were computed (SMP v1 fast_mode); False ships every output back
+        # with the reply (for A/B measurements).
+        self.keep_remote = True
 
     # --- baton with timeline -----------------------------------------------------------------
 
@@ -193,12 +235,15 @@ class Engine:
         task.in_light = light
         if not light:
             self.baton.acquire(kind, task.microbatch, new=new)
+        task.holding = True
+        task.trail.append(self.pp_rank)
         ev = Event(kind, task.microbatch, time.time(), ordinal=ordinal, light=light)
         self._open[task.microbatch] = ev
         self.events.append(ev)
 
     def _release(self, task: Task, *, finished: bool = False) -> None:
         assert self.baton is not None
+        task.holding = False
         ev = self._open.pop(task.microbatch, None)
         if ev is not None:
             ev.end = time.time()
@@ -207,6 +252,22 @@ class Engine:
             self.baton.release_light(finished_mb=task.microbatch if finished else None)
             return
         self.baton.release(finished=finished)
+
+    def _kind(self, task: Task) -> str:
+        return BACKWARD if task.backward_called else FORWARD
+
+    def _end_run(self, task: Task) -> None:
+        """Close the peer's open action for this microbatch (its next work is not a call to it)."""
+        if task.run_with is not None:
+            self._send(task.run_with, END_RUN, task.microbatch, None)
+            task.run_with = None
+
+    def settle(self, task: Task) -> None:
+        """Before this microbatch does work on this rank: close any open run elsewhere, hold our baton."""
+        if task.run_with is not None:
+            self._end_run(task)
+        if not task.holding:
+            self._acquire(task, self._kind(task))
 
     @staticmethod
     def durations(events: Sequence[Event]) -> dict[tuple[str, int], float]:
@@ -235,89 +296,205 @@ class Engine:
     # --- requester side ------------------------------------------------------------------------
 
     def remote_forward(self, owner: int, path: str, span: tuple[int, int] | None, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> Any:
-        """Call a module owned by pipeline rank ``owner`` from the current microbatch task."""
+                       kwargs: dict[str, Any], func: Callable[..., Any] | None = None) -> Any:
+        """Call a module owned by pipeline rank ``owner`` from the current microbatch task (or, with
+        ``func``, run a torch function there on values it holds)."""
         task = current_task()
         assert task is not None
-        skeleton, tensors = pack((args, kwargs))
+        if task.run_with is not None and task.run_with != owner:
+            self._end_run(task)
+        grad = torch.is_grad_enabled()
+        skeleton, tensors = self._pack_args(task, owner, (args, kwargs), grad)  # may fetch (and settle)
         task.calls += 1
-        call = {"engine": self, "owner": owner, "path": path, "span": span, "skeleton": skeleton,
-                "id": (self.pp_rank, task.calls), "task": weakref.ref(task),  # Note [task lifetime]
-                "grad": torch.is_grad_enabled()}
-        if call["grad"]:
-            outs = _RemoteCall.apply(call, _ANCHOR, *tensors)
-        else:
-            outs, _ = self._forward_exchange(call, tensors)
-        return unpack(call["out_skeleton"], list(outs))
+        call_key = (task.calls, path)
+        cid = (self.pp_rank, task.calls)
+        body = {"id": cid, "path": path, "span": span, "func": func, "skeleton": skeleton, "grad": grad,
+                "trail": task.trail,
+                "open": self.keep_remote and not task.backward_called,
+                "eager": None if not self.keep_remote else sorted(self.eager.get(call_key, ()))}
+        self._send(owner, FWD_REQ, task.microbatch, body, tensors)
+        if task.holding:
+            self._release(task)
+        reply = self._serve(task, until=cid, peer=owner)
+        task.trail = reply.body["trail"]
+        if reply.body["open"]:
+            task.run_with = owner
+        elif not task.holding:
+            self._acquire(task, self._kind(task))
+        ndeps = len(task.sent.get(owner, ()))
+        out_skeleton = reply.body["skeleton"]
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, Out):
+                if x.data >= 0:
+                    return self._fetched(task, owner, x.key, reply.tensors[x.data], x.requires_grad, ndeps, path)
+                return RemoteTensor(x.shape, x.stride, x.dtype, x.requires_grad, engine=self, task=task, owner=owner,
+                                    key=x.key, origin=(call_key, x.index), ndeps=ndeps, path=path)
+            if isinstance(x, Ref):
+                return task.values[x.key]
+            return x
+
+        return map_structure(out_skeleton, leaf)
 
     def _send(self, pp_dst: int, kind: int, mb: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors))
 
-    def _forward_exchange(self, call: dict[str, Any], tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
-                                                                                               list[bool]]:
-        task = _call_task(call)
-        body = {"id": call["id"], "path": call["path"], "span": call["span"], "skeleton": call["skeleton"],
-                "grad": call["grad"], "trail": task.trail, "needs": [t.requires_grad for t in tensors]}
-        self._send(call["owner"], FWD_REQ, task.microbatch, body, tensors)
-        self._release(task)
-        reply = self._serve(task, until=call["id"], peer=call["owner"])
-        task.trail = reply.body["trail"] + [self.pp_rank]
-        call["out_skeleton"] = reply.body["skeleton"]
-        return reply.tensors, reply.body["flags"]
+    def _pack_args(self, task: Task, dst: int, obj: Any, grad: bool) -> tuple[Any, list[torch.Tensor]]:
+        """The request's skeleton and tensors: references ``dst`` holds travel as `Ref`, a tensor sent
+        to ``dst`` before in this microbatch (unchanged) as `Cached`, the rest as data."""
+        tensors: list[torch.Tensor] = []
+        call_no = task.calls + 1
+        cache = task.cache.setdefault(dst, {})
 
-    def _backward_exchange(self, call: dict[str, Any], grads: Sequence[torch.Tensor | None],
-                           needs: Sequence[bool]) -> list[torch.Tensor | None]:
-        task = _call_task(call)
-        mask = [g is not None for g in grads]
-        self._send(call["owner"], BWD_REQ, task.microbatch, {"id": call["id"], "mask": mask},
-                   [g for g in grads if g is not None])
-        self._release(task)
-        reply = self._serve(task, until=call["id"], peer=call["owner"])
+        def leaf(x: Any) -> Any:
+            if isinstance(x, RemoteTensor):
+                if x.owner == dst and x.unchanged():
+                    return Ref(x.key)
+                x = x.get()
+            if not isinstance(x, torch.Tensor):
+                return x
+            need = grad and x.requires_grad
+            seen = cache.get(id(x))
+            if seen is not None and seen[0]() is x and seen[1:3] == (x._version, need):
+                return Cached(seen[3])
+            leaf_id = (self.pp_rank, call_no, len(tensors))
+            cache[id(x)] = (weakref.ref(x), x._version, need, leaf_id)
+            if need:
+                task.sent.setdefault(dst, []).append((leaf_id, x))
+            tensors.append(x)
+            return Slot(len(tensors) - 1, need)
+
+        return map_structure(obj, leaf), tensors
+
+    def _fetched(self, task: Task, owner: int, key: int, data: torch.Tensor, requires_grad: bool, ndeps: int,
+                 path: str) -> torch.Tensor:
+        """A value received from ``owner``, joined to this rank's graph when it carries a gradient."""
+        if not requires_grad:
+            return data
+        sent = task.sent.get(owner, [])[:ndeps]
+        info = {"engine": self, "task": weakref.ref(task), "owner": owner, "key": key, "path": path, "data": data,
+                "deps": [leaf_id for leaf_id, _ in sent]}
+        with torch.enable_grad():
+            out: torch.Tensor = _Fetch.apply(info, _ANCHOR, *[t for _, t in sent])
+        return out
+
+    def fetch(self, task: Task, ref: RemoteTensor) -> torch.Tensor:
+        """Bring a reference's value here (this microbatch does work on this rank from now on)."""
+        self.settle(task)
+        self._send(ref.owner, FETCH, task.microbatch, {"id": ("fetch", ref.key), "key": ref.key,
+                                                       "grad": ref.requires_grad})
+        reply = self._serve(task, until=("fetch", ref.key), peer=ref.owner)
+        call_key, index = ref.origin
+        if call_key[0] == task.calls:  # read before any other call: ask for it with the reply next time
+            self.eager.setdefault(call_key, set()).add(index)
+        return self._fetched(task, ref.owner, ref.key, reply.tensors[0], ref.requires_grad, ref.ndeps, ref.path)
+
+    def _backward_exchange(self, info: dict[str, Any], grad: torch.Tensor) -> list[torch.Tensor | None]:
+        task = _info_task(info)
+        owner = info["owner"]
+        bid = ("backward", info["key"])
+        self._send(owner, BWD_REQ, task.microbatch, {"id": bid, "key": info["key"], "deps": info["deps"],
+                                                     "trail": task.trail}, [grad])
+        if task.holding:
+            self._release(task)
+        reply = self._serve(task, until=bid, peer=owner)
+        task.trail = reply.body["trail"]
+        if not task.holding:
+            self._acquire(task, BACKWARD)
         it = iter(reply.tensors)
-        got = [next(it) if m else None for m in reply.body["mask"]]
-        return [g if need else None for g, need in zip(got, needs)]
+        return [next(it) if m else None for m in reply.body["mask"]]
 
     # --- owner side ------------------------------------------------------------------------------
 
     def _handle_forward(self, task: Task, msg: Message) -> None:
         body = msg.body
-        leaves: list[torch.Tensor | None] = []
-        tensors = []
-        for t, need in zip(msg.tensors, body["needs"]):
-            if need and body["grad"]:
-                t = t.requires_grad_(True)
-                leaves.append(t)
-            else:
-                leaves.append(None)
-            tensors.append(t)
-        args, kwargs = unpack(body["skeleton"], tensors)
-        task.trail = body["trail"] + [self.pp_rank]
+        src = msg.src_pp
+        task.trail = body["trail"]
+        if not task.holding:
+            self._acquire(task, FORWARD)
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, Slot):
+                t = msg.tensors[x.index]
+                if x.requires_grad:
+                    t = t.requires_grad_(True)
+                task.leaves[(src, body["id"][1], x.index)] = t
+                return t
+            if isinstance(x, Cached):
+                return task.leaves[x.leaf]
+            if isinstance(x, Ref):
+                return task.values[x.key]
+            return x
+
+        args, kwargs = map_structure(body["skeleton"], leaf)
         with torch.set_grad_enabled(body["grad"]):
-            out = self.run_local(body["path"], body["span"], args, kwargs)
-        skeleton, outs = pack(out)
-        flags = [body["grad"] and o.requires_grad for o in outs]
-        if any(flags):
-            task.saved[body["id"]] = (leaves, outs, flags)
-        self._send(msg.src_pp, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton,
-                                                           "flags": flags, "trail": task.trail},
-                   [o.detach() for o in outs])
-        self._release(task)
+            func = body["func"]
+            out = func(*args, **kwargs) if func is not None else self.run_local(body["path"], body["span"], args,
+                                                                                 kwargs)
+        if task.run_with == src:
+            task.run_with = None  # the caller holds its own baton again: it continues from our reply
+        eager = body["eager"]
+        data: list[torch.Tensor] = []
+        count = 0
+
+        def out_leaf(x: Any) -> Any:
+            nonlocal count
+            if isinstance(x, RemoteTensor):
+                if x.owner == src and x.unchanged():
+                    return Ref(x.key)
+                x = x.get()
+            if not isinstance(x, torch.Tensor):
+                return x
+            index, count = count, count + 1
+            key = len(task.values)
+            task.values[key] = x
+            rg = body["grad"] and x.requires_grad
+            slot = -1
+            if eager is None or index in eager:
+                data.append(x.detach())
+                slot = len(data) - 1
+                if rg:
+                    task.exported.add(key)
+            return Out(key, index, tuple(x.shape), tuple(x.stride()), x.dtype, rg, slot)
+
+        skeleton = map_structure(out, out_leaf)
+        self._end_run(task)  # a run we opened on a third rank
+        keep = body["open"] and not data and task.holding
+        self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
+                                                   "trail": task.trail}, data)
+        if task.holding and not keep:
+            self._release(task)
+
+    def _handle_fetch(self, task: Task, msg: Message) -> None:
+        key = msg.body["key"]
+        value = task.values[key]
+        if msg.body["grad"] and value.requires_grad:
+            task.exported.add(key)
+        self._send(msg.src_pp, FETCH_REP, task.microbatch, {"id": msg.body["id"]}, [value.detach()])
 
     def _handle_backward(self, task: Task, msg: Message) -> None:
         body = msg.body
-        leaves, outs, flags = task.saved.pop(body["id"], ([], [], []))
-        it = iter(msg.tensors)
-        grads = [next(it) if m else None for m in body["mask"]]
-        pairs = [(o, g) for o, g, f in zip(outs, grads, flags) if f and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        in_grads = [leaf.grad if leaf is not None else None for leaf in leaves]
-        mask = [g is not None for g in in_grads]
-        self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": mask},
-                   [g for g in in_grads if g is not None])
-        self._release(task)
+        task.trail = body["trail"]
+        held = task.holding
+        if not held:
+            self._acquire(task, BACKWARD)
+        key = body["key"]
+        task.exported.discard(key)
+        # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
+        torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
+        grads = []
+        for leaf_id in body["deps"]:
+            leaf = task.leaves.get(tuple(leaf_id))
+            g = None if leaf is None else leaf.grad
+            if leaf is not None:
+                leaf.grad = None
+            grads.append(g)
+        self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": [g is not None for g in grads],
+                                                          "trail": task.trail}, [g for g in grads if g is not None])
+        if not held:
+            self._release(task)
 
-    def _serve(self, task: Task, until: tuple[int, int] | None, peer: int | None = None) -> Message:
+    def _serve(self, task: Task, until: Any, peer: int | None = None) -> Message:
         """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
         while True:
             try:
@@ -329,17 +506,24 @@ class Engine:
                                                 self.timeout_s) from None
                 raise failure.timeout_error(what + "a pipeline message", self._peer_ranks(), self.timeout_s) from None
             kind = msg.kind
-            if kind == FWD_REP or kind == BWD_REP:
+            if kind in _REPLIES:
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
-                self._acquire(task, FORWARD if kind == FWD_REP else BACKWARD)
                 return msg
-            if kind == FWD_REQ:
-                self._acquire(task, FORWARD)
-                self._handle_forward(task, msg)
-            elif kind == BWD_REQ:
-                self._acquire(task, BACKWARD)
-                self._handle_backward(task, msg)
+            if kind == FWD_REQ or kind == BWD_REQ:
+                if task.run_with == msg.src_pp:
+                    task.run_with = None  # the peer released its baton to send us this request
+                if kind == FWD_REQ:
+                    self._handle_forward(task, msg)
+                else:
+                    self._handle_backward(task, msg)
+            elif kind == FETCH:
+                self._handle_fetch(task, msg)
+            elif kind == END_RUN:
+                if task.holding:
+                    self._release(task)
+            elif kind == MB_END:
+                task.free()
             elif kind == DONE:
                 raise _Stop()
             elif kind == ERROR:
@@ -355,6 +539,8 @@ class Engine:
         if task is None:
             torch.autograd.backward(tensors, grad_tensors)
             return
+        tensors, grad_tensors = resolve((tensors, grad_tensors))
+        self.settle(task)
         task.chain = list(task.trail)
         task.backward_called = True
         self._release(task)
@@ -367,10 +553,14 @@ class Engine:
         try:
             if body is not None:  # leader: run the step body for this microbatch
                 self._acquire(task, FORWARD, new=True)
-                task.trail = [self.pp_rank]
-                task.result = body()
+                task.result = resolve(body())  # values computed elsewhere come here to be returned
+                self.settle(task)
                 if task.chain is None:
                     task.chain = list(task.trail)
+                for pp in range(len(self.pp_ranks)):
+                    if pp != self.pp_rank:
+                        self._send(pp, MB_END, task.microbatch, None)
+                task.free()
                 self._release(task, finished=True)
             else:
                 self._serve(task, until=None)

@@ -35,13 +35,49 @@ class Slot:
     requires_grad: bool
 
 
+@dataclass(frozen=True)
+class Ref:
+    """A value the receiver itself holds (a module output it produced earlier in this microbatch)."""
+
+    key: int
+
+
+@dataclass(frozen=True)
+class Cached:
+    """A tensor the sender sent to this receiver earlier in this microbatch (unchanged since)."""
+
+    leaf: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Out:
+    """A module output in a reply: kept by the sender under ``key`` (``index``: its place among the
+    call's output tensors); ``data`` is the index of its value among the message's tensors, or -1
+    when only the metadata travels."""
+
+    key: int
+    index: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    data: int = -1
+
+
 def map_structure(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     """Apply ``leaf`` to every tensor, `Slot` and other leaf of ``obj`` (the core's container rules, smp.structure)."""
     return structure.map_structure(obj, leaf, is_leaf=_is_leaf)
 
 
+def walk(obj: Any) -> list[Any]:
+    """Every leaf of ``obj`` (tensors included), in order."""
+    out: list[Any] = []
+    map_structure(obj, lambda x: out.append(x))
+    return out
+
+
 def _is_leaf(x: object) -> bool:
-    return isinstance(x, (Slot, torch.Tensor))
+    return isinstance(x, (Slot, Ref, Cached, Out, torch.Tensor))
 
 
 def pack(obj: Any) -> tuple[Any, list[torch.Tensor]]:

@@ -47,11 +47,14 @@ class Dispatch:
         is_seq = isinstance(m, nn.Sequential)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if current_task() is None:
+            task = current_task()
+            if task is None:
                 return orig(*args, **kwargs)
+            assert self.engine is not None
             if owner != self.pp_rank:
-                assert self.engine is not None
                 return self.engine.remote_forward(owner, path, None, args, kwargs)
+            if not task.holding or task.run_with is not None:
+                self.engine.settle(task)  # this rank works now: close a peer's open run, take our baton
             if is_seq and len(args) == 1 and not kwargs:
                 return self._run_sequential(path, m, args[0])
             return orig(*args, **kwargs)

@@ -30,11 +30,16 @@ class RecordedStep:
         chain: the pp_ranks one microbatch visits, in order (``[0]`` when it never left the leader).
         backward: whether the step body called ``model.backward``.
         costs: per-segment durations measured on every pipeline rank (`smp.pipeline.choose`).
+        static: whether the shared scheduler can plan it: its backward visits the chain's ranks in
+            reverse (not so when some cross-rank calls get no gradient, e.g. under ``torch.no_grad()``).
+        seconds: the recording step's wall time (its microbatches ran one at a time).
     """
 
     chain: list[int]
     backward: bool
     costs: Any
+    static: bool = True
+    seconds: float = 0.0
 
 
 class StepModel(Protocol):

@@ -492,10 +492,6 @@ def _train_each(names: list[str], pp: int, comm_timeout: float) -> dict[str, dic
 # Models the current engine gets wrong, each run in a launch of its own (an exception on a rank ends
 # its launch): name -> the reason.
 KNOWN_BUGS = {
-    "gradless": "engine bug: the static plan (from the second step on) gives every forward visit of the "
-                "recorded chain a backward; a cross-rank call that no backward reaches (under torch.no_grad(), "
-                "output detached or dropped) leaves its owner waiting for that backward: the step hangs until "
-                "comm_timeout (CommTimeoutError 'microbatch N waited ... to run F'), on pp=2 and pp=3",
     "inplace_input": "engine bug: the owner of a remote call receives the caller's tensors as new leaves "
                      "(requires_grad_ on the received copies), so a child that changes its input in place "
                      "raises 'a leaf Variable that requires grad is being used in an in-place operation', "
