@@ -273,13 +273,66 @@ def bench(name: str, steps: int, warmup: int) -> None:
               f"| {rank1} | {chain} |", flush=True)
 
 
+class _Ping(nn.Module):
+    """A loop of calls to a tiny module on rank 1: the engine's own cost per cross-rank call."""
+
+    def __init__(self, calls: int, read: bool) -> None:
+        super().__init__()
+        self.far = nn.Linear(4, 4)
+        self.near = nn.Linear(4, 4)
+        self.calls, self.read = calls, read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.calls):
+            x = self.far(x)
+            if self.read:  # a module of the caller's on each output: its value comes back every call
+                x = self.near(x)
+        return x.sum()
+
+
+def call_cost(read: bool, calls: int = 200) -> float:
+    """Seconds per cross-rank call of a (2, 4) tensor through a 4x4 Linear, forward only."""
+    import smp.torch as smp
+
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "default_partition": 0, "auto_partition": False})
+    net = _Ping(calls, read)
+    model = smp.DistributedModel(net)
+    smp.set_partition(net.far, 1)
+
+    @smp.step
+    def run(model: Any, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    times = []
+    for _ in range(6):
+        smp.barrier()
+        start = time.perf_counter()
+        with torch.no_grad():
+            run(model, torch.ones(2, 4))
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) / calls
+
+
+def latency() -> None:
+    print("\nengine cost per cross-rank call (2 ranks, idle machine, (2, 4) float tensor, forward only)\n")
+    print("| the caller ... | us per call |")
+    print("|---|---|")
+    for read, what in ((False, "passes each output on to the next call (a reference round trip)"),
+                       (True, "gives each output to a module of its own (the value comes back with the reply)")):
+        out = run_ranks(call_cost, 2, args=(read,), env={"OMP_NUM_THREADS": "1"}, timeout=300)
+        print(f"| {what} | {out[0] * 1e6:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["all", *MODELS], default="all")
+    parser.add_argument("--model", choices=["all", "latency", *MODELS], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    for name in MODELS if args.model == "all" else [args.model]:
+    if args.model in ("all", "latency"):
+        latency()
+    for name in MODELS if args.model == "all" else [] if args.model == "latency" else [args.model]:
         bench(name, args.steps, args.warmup)
 
 

@@ -586,22 +586,36 @@ class Engine:
         self.events = []
         self._open = {}
         leader = bodies is not None
-        self.transport.start(STOP)
         results: list[Any] = [None] * num_microbatches
         payload: Any = None
         running = 0
         error: BaseException | None = None
+        lock = threading.Lock()
+        last_rx = [time.monotonic()]
 
         def spawn(mb: int, body: Callable[[], Any] | None) -> Task:
             nonlocal running
-            task = Task(self, mb, grad_enabled=grad_enabled)
-            self.tasks[mb] = task
-            running += 1
-            worker = self._workers.get(mb)
-            if worker is None:
-                worker = self._workers[mb] = _Worker(f"smp-mb{mb}")
+            with lock:
+                task = Task(self, mb, grad_enabled=grad_enabled)
+                self.tasks[mb] = task
+                running += 1
+                worker = self._workers.get(mb)
+                if worker is None:
+                    worker = self._workers[mb] = _Worker(f"smp-mb{mb}")
             worker.jobs.put(lambda: self._task_main(task, body))
             return task
+
+        def route(msg: Message) -> bool:
+            """On the receiver thread: hand a microbatch's message straight to its task."""
+            if msg.kind in (ERROR, DONE, DYNAMIC):
+                return False
+            last_rx[0] = time.monotonic()
+            msg.src_pp = self.pp_ranks.index(msg.src)
+            task = self.tasks.get(msg.microbatch) or spawn(msg.microbatch, None)
+            task.inbox.put(msg)
+            return True
+
+        self.transport.start(STOP, route)
 
         if leader:
             assert bodies is not None
@@ -626,7 +640,7 @@ class Engine:
                     error = e
                     break
                 # A little later than the tasks' own limit, so a task waiting for one named peer reports first.
-                if time.monotonic() - last_message > self.timeout_s + 5 * _POLL_S:
+                if time.monotonic() - max(last_message, last_rx[0]) > self.timeout_s + 5 * _POLL_S:
                     error = failure.timeout_error(f"pp_rank {self.pp_rank} waited for a pipeline message", peers,
                                                   self.timeout_s)
                     break
@@ -636,7 +650,8 @@ class Engine:
                 error = msg
                 break
             if msg.kind == TASK_END:
-                running -= 1
+                with lock:
+                    running -= 1
                 task = self.tasks[msg.microbatch]
                 if task.error is not None and error is None:
                     error = task.error

@@ -1,7 +1,10 @@
 """Messages between pipeline ranks: a kind, a picklable skeleton, and the tensors sent raw.
 
-A message is a fixed header (int64 x 4: kind, skeleton bytes, tensor count, microbatch), the
-pickled skeleton (the structure with every tensor replaced by a `Slot`), then each tensor as is.
+A message starts with one fixed-size frame (`FRAME` bytes): a header (int64 x 5: kind, skeleton
+bytes, tensor count, microbatch, tensors inline), the pickled skeleton (the structure with every
+tensor replaced by a `Slot`) and, while they fit, the leading tensors' bytes. What does not fit
+follows as parts of its own: the skeleton, then each remaining tensor as is. A small message (a
+request whose arguments are references, a reply with metadata, a scalar) is one send.
 One receiver thread per rank takes messages from any pipeline peer (gloo receive-from-any on the
 engine's own process group and tag) and queues them; senders hold a per-destination lock so the
 parts of two messages never interleave.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import queue
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +28,9 @@ from smp import structure
 from ..runtime.failure import wait
 
 TAG = 0x51D
-HEADER = 4
+HEADER = 5
+FRAME = 8192  # bytes: one gloo message carries a small message whole
+_HEAD_BYTES = HEADER * 8
 
 
 @dataclass(frozen=True)
@@ -133,9 +139,27 @@ class Transport:
         """
         specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
         raw = pickle.dumps((body, specs), protocol=pickle.HIGHEST_PROTOCOL)
-        header = torch.tensor([kind, len(raw), len(tensors), microbatch], dtype=torch.int64)
-        parts = [header, torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
-        parts += [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        data = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        frame = bytearray(FRAME)
+        at = _HEAD_BYTES
+        inline = 0
+        rest: list[torch.Tensor] = []
+        if at + len(raw) <= FRAME:
+            frame[at:at + len(raw)] = raw
+            at += len(raw)
+            for t in data:
+                n = t.numel() * t.element_size()
+                if not rest and at + n <= FRAME:  # only leading tensors go inline
+                    if n:
+                        frame[at:at + n] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                    at += n
+                    inline += 1
+                else:
+                    rest.append(t)
+        else:
+            rest = [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *data]
+        frame[:_HEAD_BYTES] = struct.pack("<5q", kind, len(raw), len(tensors), microbatch, inline)
+        parts = [torch.frombuffer(frame, dtype=torch.uint8), *rest]
         with self._lock:
             for t in parts:
                 if t.numel():
@@ -149,22 +173,40 @@ class Transport:
             wait(work, "pipeline send", "peer", timeout, p2p=True)
 
     def _receive_one(self) -> Message:
-        header = torch.empty(HEADER, dtype=torch.int64)
-        src = dist.recv(header, None, group=self.group, tag=TAG)
-        kind, nbytes, ntensors, microbatch = (int(x) for x in header.tolist())
-        payload = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(payload, src, group=self.group, tag=TAG)
-        body, specs = pickle.loads(payload.numpy().tobytes())
+        frame = torch.empty(FRAME, dtype=torch.uint8)
+        src = dist.recv(frame, None, group=self.group, tag=TAG)
+        buf = frame.numpy().tobytes()
+        kind, nbytes, ntensors, microbatch, inline = struct.unpack_from("<5q", buf)
+        at = _HEAD_BYTES
+        if inline or at + nbytes <= FRAME:
+            raw = buf[at:at + nbytes]
+            at += nbytes
+        else:
+            payload = torch.empty(nbytes, dtype=torch.uint8)
+            dist.recv(payload, src, group=self.group, tag=TAG)
+            raw = payload.numpy().tobytes()
+        body, specs = pickle.loads(raw)
         tensors = []
-        for shape, code in specs[:ntensors]:
-            t = torch.empty(shape, dtype=_DTYPES[code])
-            if t.numel():
-                dist.recv(t, src, group=self.group, tag=TAG)
+        for i, (shape, code) in enumerate(specs[:ntensors]):
+            dtype = _DTYPES[code]
+            if i < inline:
+                t = torch.empty(shape, dtype=dtype)
+                n = t.numel() * t.element_size()
+                if n:
+                    t.reshape(-1).view(torch.uint8).copy_(frame[at:at + n])
+                at += n
+            else:
+                t = torch.empty(shape, dtype=dtype)
+                if t.numel():
+                    dist.recv(t, src, group=self.group, tag=TAG)
             tensors.append(t)
         return Message(kind, src, microbatch, body, tensors)
 
-    def start(self, stop_kind: int) -> None:
-        """Start the receiver (it ends after one ``stop_kind`` message from every peer) and the sender."""
+    def start(self, stop_kind: int, route: Callable[[Message], bool] | None = None) -> None:
+        """Start the receiver (it ends after one ``stop_kind`` message from every peer).
+
+        ``route(msg)``, called on the receiver thread, may deliver a message itself (returning True):
+        one thread hand-off less per message than queueing it in `inbox`."""
         if not self.peers:
             return
 
@@ -176,7 +218,8 @@ class Transport:
                     if msg.kind == stop_kind:
                         stopped += 1
                         continue
-                    self.inbox.put(msg)
+                    if route is None or not route(msg):
+                        self.inbox.put(msg)
             except BaseException as e:  # noqa: BLE001 - handed to the engine's dispatcher
                 self.inbox.put(e)
 
