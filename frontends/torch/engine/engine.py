@@ -34,6 +34,7 @@ followers), stop (end of a rank's sending), dynamic (a peer fell back to the dyn
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -113,9 +114,11 @@ class Task:
     run_with: int | None = None  # the peer whose action stays open for this microbatch's next call
     # Owner side: outputs kept for callers (key -> tensor with its graph), tensors received (by
     # LeafId), and the kept outputs a caller fetched with a gradient to come.
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[Any, torch.Tensor] = field(default_factory=dict)
     leaves: dict[LeafId, torch.Tensor] = field(default_factory=dict)
-    exported: set[int] = field(default_factory=set)
+    exported: set[Any] = field(default_factory=set)
+    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> the reply expected.
+    ahead: dict[Any, dict[str, Any]] = field(default_factory=dict)
     # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
     # order, and every tensor sent (id -> (weakref, version, needs grad, LeafId)) so a repeat travels as `Cached`.
     sent: dict[int, list[tuple[LeafId, torch.Tensor]]] = field(default_factory=dict)
@@ -224,6 +227,8 @@ class Engine:
         # Keep outputs where they were computed (SMP v1 fast_mode); False ships every output back
         # with the reply (for A/B measurements).
         self.keep_remote = True
+        # Per (call number, module): the arguments' signature and the reply of the last open-run call.
+        self.predicted: dict[tuple[int, str], tuple[bytes, dict[str, Any]]] = {}
 
     # --- baton with timeline -----------------------------------------------------------------
 
@@ -258,12 +263,16 @@ class Engine:
 
     def _end_run(self, task: Task) -> None:
         """Close the peer's open action for this microbatch (its next work is not a call to it)."""
+        if task.ahead:
+            self._serve(task, until="ahead")
         if task.run_with is not None:
             self._send(task.run_with, END_RUN, task.microbatch, None)
             task.run_with = None
 
     def settle(self, task: Task) -> None:
         """Before this microbatch does work on this rank: close any open run elsewhere, hold our baton."""
+        if task.ahead:
+            self._serve(task, until="ahead")  # the replies of calls sent without waiting, checked
         if task.run_with is not None:
             self._end_run(task)
         if not task.holding:
@@ -312,22 +321,43 @@ class Engine:
                 "trail": task.trail,
                 "open": self.keep_remote and not task.backward_called,
                 "eager": None if not self.keep_remote else sorted(self.eager.get(call_key, ()))}
-        self._send(owner, FWD_REQ, task.microbatch, body, tensors)
-        if task.holding:
-            self._release(task)
-        reply = self._serve(task, until=cid, peer=owner)
-        task.trail = reply.body["trail"]
-        if reply.body["open"]:
-            task.run_with = owner
-        elif not task.holding:
-            self._acquire(task, self._kind(task))
+        signature = None
+        if body["open"]:
+            try:
+                signature = pickle.dumps((path, span, func, skeleton, grad, body["eager"],
+                                          [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]))
+            except Exception:  # noqa: BLE001 - an argument that does not pickle is sent as before
+                signature = None
+        known = self.predicted.get(call_key)
+        if (signature is not None and known is not None and known[0] == signature and task.run_with == owner
+                and not task.holding):
+            # Note [calls that do not wait]: the owner holds this microbatch's open run, and this
+            # call sends what it sent on the last step: it replies as it did then (checked when the
+            # reply comes), so the caller goes on at once and the owner never waits for it.
+            body["ahead"] = True
+            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
+            task.ahead[cid] = known[1]
+            reply_body, reply_tensors = known[1], []
+        else:
+            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
+            if task.holding:
+                self._release(task)
+            reply = self._serve(task, until=cid, peer=owner)
+            task.trail = reply.body["trail"]
+            if reply.body["open"]:
+                task.run_with = owner
+            elif not task.holding:
+                self._acquire(task, self._kind(task))
+            reply_body, reply_tensors = reply.body, reply.tensors
+            if signature is not None and reply_body["open"] and not reply_tensors:
+                self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True})
         ndeps = len(task.sent.get(owner, ()))
-        out_skeleton = reply.body["skeleton"]
+        out_skeleton = reply_body["skeleton"]
 
         def leaf(x: Any) -> Any:
             if isinstance(x, Out):
                 if x.data >= 0:
-                    return self._fetched(task, owner, x.key, reply.tensors[x.data], x.requires_grad, ndeps, path)
+                    return self._fetched(task, owner, x.key, reply_tensors[x.data], x.requires_grad, ndeps, path)
                 return RemoteTensor(x.shape, x.stride, x.dtype, x.requires_grad, engine=self, task=task, owner=owner,
                                     key=x.key, origin=(call_key, x.index), ndeps=ndeps, path=path)
             if isinstance(x, Ref):
@@ -446,7 +476,7 @@ class Engine:
             if not isinstance(x, torch.Tensor):
                 return x
             index, count = count, count + 1
-            key = len(task.values)
+            key = (src, body["id"][1], index)  # named by the caller's call: it can know it before the reply
             task.values[key] = x
             rg = body["grad"] and x.requires_grad
             slot = -1
@@ -506,6 +536,17 @@ class Engine:
                                                 self.timeout_s) from None
                 raise failure.timeout_error(what + "a pipeline message", self._peer_ranks(), self.timeout_s) from None
             kind = msg.kind
+            if kind == FWD_REP and msg.body["id"] in task.ahead:
+                expected = task.ahead.pop(msg.body["id"])
+                if msg.body["skeleton"] != expected["skeleton"] or not msg.body["open"] or msg.tensors:
+                    raise SMPError(
+                        f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} returned outputs of other "
+                        f"shapes or structure than on the last step for the same arguments (call {msg.body['id']}); "
+                        "smp sent that call without waiting for its reply. Fix: set \"fast_mode\": False in the "
+                        "config for models whose module outputs change shape with the values of their inputs")
+                if until == "ahead" and not task.ahead:
+                    return msg
+                continue
             if kind in _REPLIES:
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
