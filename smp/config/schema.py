@@ -153,8 +153,10 @@ KEYS: tuple[Key, ...] = (
         "full sequence runs on every rank).", low=1, since="v2", status="accepted"),
     Key("expert_parallel_degree", _INT, 1, "SMP v2 expert parallelism (accepted; not implemented, experts "
         "are sharded by TP instead).", low=1, since="v2", status="accepted"),
+    Key("fast_mode", _BOOL, True, "A module's outputs stay on the pipeline rank that computed them until "
+        "something reads them (the caller holds references; SMP v1 fast_mode, generalised). False ships every "
+        "output back to the caller after each cross-rank call."),
     # --- SMP v1 internal keys, accepted so existing scripts run --------------------------------
-    Key("fast_mode", _BOOL, False, "SMP v1 internal.", status="internal"),
     Key("static_mode", _BOOL, False, "SMP v1 internal.", status="internal"),
     Key("_shard_offloaded_activations", _BOOL, True, "SMP v1 internal.", status="internal"),
     Key("task_level_activation_loading_horizon", _INT, 4, "SMP v1 internal.", low=0, status="internal"),

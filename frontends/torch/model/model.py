@@ -309,6 +309,7 @@ class DistributedModel(nn.Module):
             self._dispatch = Dispatch(self.module, self._owner, self._pp_rank)
             self._dispatch.start(rt.engine_group, rt.group_ranks[GroupKind.PP], st.rank, float(cfg.comm_timeout),
                                  strict_order=cfg.tensor_parallel_degree > 1)
+            self._dispatch.engine.keep_remote = bool(cfg.fast_mode)  # type: ignore[union-attr]
         if delayed is not None:  # allocate and initialise this rank's delayed parameters only
             delayed.materialize(self._param_is_local, cfg)
         self._partitioned = True
