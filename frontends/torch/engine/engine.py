@@ -50,6 +50,7 @@ from smp.errors import RemoteRankError, SMPError
 from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 
 from ..runtime import failure
+from .local import current_task, set_task
 from .refs import RemoteTensor, resolve
 from .wire import Cached, Message, Out, Ref, Slot, Transport, map_structure, pack, unpack
 
@@ -61,10 +62,6 @@ _REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
 
-# The task a thread runs, set and cleared by `_task_main` around each task: scoped to one step,
-# so there is nothing here for smp.reset() to drop.
-_local = threading.local()
-
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
 # A tensor the step body computes from a fetched value (a loss, the logits the step returns)
 # owns an autograd graph whose `_Fetch` node holds its ctx. If the ctx held its task strongly,
@@ -74,11 +71,6 @@ _local = threading.local()
 # tasks before it returns.
 
 LeafId = tuple[int, int, int]  # (sender pp_rank, sender's call number, slot): a tensor a rank received
-
-
-def current_task() -> Task | None:
-    """The microbatch task running on this thread, if any."""
-    return getattr(_local, "task", None)
 
 
 @dataclass
@@ -589,7 +581,7 @@ class Engine:
         torch.autograd.backward(tensors, grad_tensors)
 
     def _task_main(self, task: Task, body: Callable[[], Any] | None) -> None:
-        _local.task = task
+        set_task(task)
         torch.set_grad_enabled(task.grad_enabled)
         try:
             if body is not None:  # leader: run the step body for this microbatch
@@ -612,7 +604,7 @@ class Engine:
             if self.baton is not None and self.baton.holder == task.microbatch:
                 self._release(task)
         finally:
-            _local.task = None
+            set_task(None)
             self.transport.inbox.put(Message(TASK_END, -1, task.microbatch, None, []))
 
     def run_step(self, bodies: Sequence[Callable[[], Any]] | None, num_microbatches: int, baton: Baton,

@@ -14,16 +14,14 @@ from __future__ import annotations
 import functools
 import pickle
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from smp.errors import SMPError
 
+from .local import current_task
 from .wire import map_structure, walk
-
-if TYPE_CHECKING:
-    from .engine import Engine, Task
 
 __all__ = ["RemoteTensor", "resolve"]
 
@@ -103,8 +101,8 @@ def _reached_autograd(path: str, owner: int, grad: torch.Tensor) -> None:
 class RemoteTensor(torch.Tensor):
     """A module output kept by pipeline rank ``owner`` under ``key`` for one microbatch."""
 
-    _engine: Engine
-    _task: weakref.ref[Task]
+    _engine: Any  # the Engine (engine.py imports this module)
+    _task: weakref.ref[Any]
     owner: int
     key: int
     origin: tuple[Any, int]
@@ -120,7 +118,7 @@ class RemoteTensor(torch.Tensor):
             cls, shape, strides=stride, dtype=dtype, device="cpu", requires_grad=requires_grad)
 
     def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, *,
-                 engine: Engine, task: Task, owner: int, key: int, origin: tuple[Any, int], ndeps: int,
+                 engine: Any, task: Any, owner: int, key: int, origin: tuple[Any, int], ndeps: int,
                  path: str) -> None:
         _patch_function_apply()
         if requires_grad:
@@ -154,8 +152,6 @@ class RemoteTensor(torch.Tensor):
 
     def live(self) -> bool:
         """Whether this thread runs the microbatch that produced it (so its owner can still be asked)."""
-        from .engine import current_task
-
         task = current_task()
         return task is not None and task is self._task()
 
