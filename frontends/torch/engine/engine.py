@@ -184,6 +184,16 @@ def _info_task(info: dict[str, Any]) -> Task:
     return task
 
 
+def _ref_or_value(x: Any, peer: int) -> Any:
+    """What of ``x`` goes to pp_rank ``peer``: a `Ref` to a value ``peer`` holds (unchanged since it
+    made it), else ``x`` itself, a reference owned elsewhere fetched here first."""
+    if isinstance(x, RemoteTensor):
+        if x.owner == peer and x.unchanged():
+            return Ref(x.key)
+        return x.get()
+    return x
+
+
 class Engine:
     """Runs steps for one model on one pipeline.
 
@@ -369,10 +379,7 @@ class Engine:
         cache = task.cache.setdefault(dst, {})
 
         def leaf(x: Any) -> Any:
-            if isinstance(x, RemoteTensor):
-                if x.owner == dst and x.unchanged():
-                    return Ref(x.key)
-                x = x.get()
+            x = _ref_or_value(x, dst)
             if not isinstance(x, torch.Tensor):
                 return x
             need = grad and x.requires_grad
@@ -461,10 +468,7 @@ class Engine:
 
         def out_leaf(x: Any) -> Any:
             nonlocal count
-            if isinstance(x, RemoteTensor):
-                if x.owner == src and x.unchanged():
-                    return Ref(x.key)
-                x = x.get()
+            x = _ref_or_value(x, src)
             if not isinstance(x, torch.Tensor):
                 return x
             index, count = count, count + 1
