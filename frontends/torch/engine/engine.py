@@ -266,17 +266,14 @@ class Engine:
     def _end_run(self, task: Task) -> None:
         """Close the peer's open action for this microbatch (its next work is not a call to it)."""
         if task.ahead:
-            self._serve(task, until="ahead")
+            self._serve(task, until="ahead")  # the replies of calls sent without waiting, checked
         if task.run_with is not None:
             self._send(task.run_with, END_RUN, task.microbatch, None)
             task.run_with = None
 
     def settle(self, task: Task) -> None:
         """Before this microbatch does work on this rank: close any open run elsewhere, hold our baton."""
-        if task.ahead:
-            self._serve(task, until="ahead")  # the replies of calls sent without waiting, checked
-        if task.run_with is not None:
-            self._end_run(task)
+        self._end_run(task)
         if not task.holding:
             self._acquire(task, self._kind(task))
 
