@@ -1,9 +1,10 @@
 """A small GPT used by the demo and the benchmarks: embedding, pre-norm blocks, LM head.
 
-Written two ways from the same ``Embed``/``Block``/``Head`` classes: ``gpt()`` builds an
-``nn.Sequential`` (the demo uses it), ``GPT`` is the usual ``nn.Module`` with a ``ModuleList`` of
-blocks and a ``for`` loop in ``forward``. Both create their modules in the same order, so with the
-same seed they hold the same parameters (``sequential_to_modulelist_keys`` maps the state dicts).
+Written two ways from the same ``Embed``/``Block``/``Head`` classes: ``GPT`` is the usual
+``nn.Module`` with a ``ModuleList`` of blocks and a ``for`` loop in ``forward`` (the demo uses it),
+``gpt()`` builds an ``nn.Sequential`` (the benchmarks run both). Both create their modules in the
+same order, so with the same seed they hold the same parameters (``sequential_to_modulelist_keys``
+maps the state dicts).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 60 --out demo-output
 
-The text is the source of a few Python standard-library modules (it ships with Python: nothing is
-downloaded), read as bytes. The model is partitioned automatically on the first step; rank 0
+The model is ``GPT`` from ``gpt_model.py``, written the way users write one: an ``nn.Module`` whose
+blocks are an ``nn.ModuleList`` run by a ``for`` loop. The text is the source of a few Python
+standard-library modules (it ships with Python: nothing is downloaded), read as bytes. The model
+is partitioned automatically on the first step (the cut falls between blocks); rank 0
 shows a progress bar, then writes the measured timeline of the last step (SVG + Chrome trace), the
 planned one for comparison, and the loss curve.
 """
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import smp.torch as smp  # was: import smdistributed.modelparallel.torch as smp  # noqa: E402
 
-from examples.gpt_model import gpt, lm_loss  # noqa: E402
+from examples.gpt_model import GPT, lm_loss  # noqa: E402
 
 CORPUS = ["argparse.py", "dataclasses.py", "textwrap.py", "collections/__init__.py", "json/encoder.py",
           "functools.py", "string.py", "shutil.py"]
@@ -90,7 +92,7 @@ def main() -> None:
     smp.init({"pipeline_parallel_degree": int(os.environ.get("WORLD_SIZE", "1")), "microbatches": args.microbatches,
               "pipeline": args.pipeline, "auto_partition": True})
     torch.manual_seed(0)
-    model = smp.DistributedModel(gpt(vocab=256, width=args.width, layers=args.layers, heads=4, seq=args.seq))
+    model = smp.DistributedModel(GPT(vocab=256, width=args.width, layers=args.layers, heads=4, seq=args.seq))
     optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3))
 
     @smp.step
