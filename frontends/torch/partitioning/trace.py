@@ -33,12 +33,19 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 class Trace:
-    """What one traced microbatch showed: module order, inclusive time, output bytes."""
+    """What one traced microbatch showed: module order, inclusive time, output bytes.
+
+    ``after`` is the step body's own work after the model returned (the loss on the logits) and
+    ``last`` the module that finished last before it: that work runs where ``last``'s output
+    lives (a torch op on a reference runs on its owner), so it is counted in ``last``'s time.
+    """
 
     def __init__(self) -> None:
         self.order: dict[str, int] = {}
         self.time: dict[str, float] = {}
         self.output_bytes: dict[str, int] = {}
+        self.after = 0.0
+        self.last: str | None = None
 
 
 def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True) -> Trace:
@@ -48,26 +55,36 @@ def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True)
         run()  # warm-up: first calls pay one-time costs that would skew the measured compute
     starts: dict[str, list[float]] = {}
     handles = []
+    last = ""  # the module that finished last
+    root_done, before_root = 0.0, ""  # when the root last returned, and what finished just before it
     for path, module in root.named_modules():
         def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
             tr.order.setdefault(path, len(tr.order))
             starts.setdefault(path, []).append(time.perf_counter())
 
         def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
-            begun = starts[path].pop()
-            tr.time[path] = tr.time.get(path, 0.0) + (time.perf_counter() - begun)
+            nonlocal last, root_done, before_root
+            now = time.perf_counter()
+            tr.time[path] = tr.time.get(path, 0.0) + (now - starts[path].pop())
             tr.output_bytes[path] = tr.output_bytes.get(path, 0) + _tensor_bytes(out)
+            if path:
+                last = path
+            else:
+                root_done, before_root = now, last
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     try:
         with torch.no_grad():
             run()
+        end = time.perf_counter()
     finally:
         for h in handles:
             h.remove()
+    if before_root:
+        tr.after, tr.last = end - root_done, before_root
     if not measure_time:
-        tr.time = {}
+        tr.time, tr.after = {}, 0.0
     return tr
 
 
@@ -100,6 +117,8 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
         kids.sort(key=lambda k: first.get(k, float("inf")))
         children[path] = tuple(kids)
     compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
+    if compute and tr is not None and tr.last in compute:
+        compute[tr.last] += tr.after  # the step body's loss runs where the model's output is
     for path, module in modules.items():
         # A container's own time is the Python loop around its children (and our hooks): overhead
         # that runs wherever its children run, not work to place.
