@@ -19,7 +19,7 @@ from ..nn.params import is_tp_sharded
 from ..runtime.failure import wait
 from ..runtime.init import runtime
 
-__all__ = ["average_microbatch_grads", "broadcast_from_dp0", "sync_gradients"]
+__all__ = ["MicrobatchAverage", "broadcast_from_dp0", "sync_gradients"]
 
 Groups = tuple[tuple[Any, list[int]], tuple[Any, list[int]]]
 
@@ -40,23 +40,54 @@ def broadcast_from_dp0(tensors: Iterable[torch.Tensor]) -> None:
             wait(dist.broadcast(t.data, ranks[0], group=pg, async_op=True), "broadcast from DP rank 0", ranks)
 
 
-def average_microbatch_grads(params: Iterable[torch.nn.Parameter], count: int, enabled: Callable[[], bool]) -> None:
-    """Divide each microbatch's gradient by ``count`` as autograd produces it (while ``enabled()``).
+class MicrobatchAverage:
+    """Average the microbatches' gradients of ``params`` over ``count`` (while ``enabled()``).
 
-    Dividing the accumulated ``.grad`` when the step ends would also divide what it held before
-    the step: the earlier steps' gradients under ``backward_passes_per_step`` (or a script that
-    accumulates over steps without ``zero_grad``). Parameters frozen at partition time get no
-    hook (torch refuses hooks on them); one unfrozen later accumulates sums.
+    Without a gradient before the step (``zero_grad`` sets ``.grad`` to None), the step's sum is
+    divided once, in place, when the step ends: one pass over the parameters instead of one
+    division (and a new tensor) per parameter per microbatch. A parameter that already holds a
+    gradient (``backward_passes_per_step``, or a script accumulating over steps without
+    ``zero_grad``) must not have that divided too: its microbatch gradients are divided as autograd
+    produces them. Parameters frozen at partition time are left alone (torch refuses hooks on
+    them); one unfrozen later accumulates sums. Inside the step body, after ``model.backward``, a
+    gradient of the first kind is still the sum.
     """
-    if count == 1:
-        return
 
-    def average(grad: torch.Tensor) -> torch.Tensor:
-        return grad / count if enabled() else grad
+    def __init__(self, params: Iterable[torch.nn.Parameter], count: int, enabled: Callable[[], bool]) -> None:
+        self.count = count
+        self.enabled = enabled
+        self.params = [p for p in params if p.requires_grad] if count > 1 else []
+        self._at_end: list[torch.nn.Parameter] = []
+        self._as_made: set[int] = set()
+        for p in self.params:
+            p.register_hook(self._hook(p))
 
-    for p in params:
-        if p.requires_grad:
-            p.register_hook(average)
+    def _hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+        key = id(p)
+
+        def average(grad: torch.Tensor) -> torch.Tensor:
+            return grad / self.count if key in self._as_made else grad
+
+        return average
+
+    def begin(self) -> None:
+        """Before the step's first backward: sort the parameters by whether they hold a gradient."""
+        self._at_end, self._as_made = [], set()
+        if not self.params or not self.enabled():
+            return
+        for p in self.params:
+            if p.grad is None:
+                self._at_end.append(p)
+            else:
+                self._as_made.add(id(p))
+
+    def end(self) -> None:
+        """After the step's last backward: divide the sums of the parameters that had no gradient."""
+        with torch.no_grad():
+            for p in self._at_end:
+                if p.grad is not None:
+                    p.grad.div_(self.count)
+        self._at_end, self._as_made = [], set()
 
 
 def sync_gradients(params: Iterable[torch.nn.Parameter], bucket_cap_mb: int) -> None:

@@ -102,6 +102,7 @@ class DistributedModel(nn.Module):
         self._in_step = False
         self._tracing = False
         self._steps = 0
+        self._average: data_parallel.MicrobatchAverage | None = None  # set when partitioned
         self._local_param_ids: set[int] = set()
         self.plans: dict[Any, RecordedStep] = {}
         self.last_timeline: list[Any] = []
@@ -240,6 +241,8 @@ class DistributedModel(nn.Module):
         try:
             if not self._partitioned:
                 self._partition_now(first_microbatch)
+            if self._average is not None:
+                self._average.begin()
             if self.cfg.ddp and self.broadcast_buffers:
                 data_parallel.broadcast_from_dp0(self.local_buffers())
             yield
@@ -247,6 +250,8 @@ class DistributedModel(nn.Module):
             self._in_step = False
 
     def after_step(self) -> None:
+        if self._average is not None:
+            self._average.end()
         self._steps += 1
         if self.cfg.ddp and self._steps % self.backward_passes_per_step == 0:
             data_parallel.sync_gradients(self.local_parameters(), self.bucket_cap_mb)
@@ -313,8 +318,8 @@ class DistributedModel(nn.Module):
         if delayed is not None:  # allocate and initialise this rank's delayed parameters only
             delayed.materialize(self._param_is_local, cfg)
         self._partitioned = True
-        data_parallel.average_microbatch_grads(self.local_parameters(), cfg.microbatches,
-                                               lambda: self.average_grads_across_microbatches)
+        self._average = data_parallel.MicrobatchAverage(self.local_parameters(), cfg.microbatches,
+                                                        lambda: self.average_grads_across_microbatches)
         if cfg.ddp:
             data_parallel.broadcast_from_dp0([*self.local_parameters(), *self.local_buffers()])
         for model_sd, strict in self._pending_loads:
