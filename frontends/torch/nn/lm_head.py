@@ -4,6 +4,7 @@
 
     x      = dropout(Wte[input_ids] + Wpe[position_ids] (+ Wtt[token_type_ids]))
     h, _   = DistributedTransformer((x, additive(attention_mask)))
+    h      = LN_final(h)                              if final_layernorm (GPT-2's ln_f)
     logits = h Wte^T                                  (tied to the word embedding)
     loss   = cross_entropy(logits[:, :-1], labels[:, 1:])    (next-token prediction)
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import MASK_VALUE
-from .basic import DistributedModule
+from .basic import DistributedLayerNorm, DistributedModule
 from .cross_entropy import parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .mappings import copy_to_tp, gather_from_tp
@@ -62,7 +63,8 @@ class DistributedTransformerLMHead(DistributedModule):
                  activation: str = "gelu", layernorm_epsilon: float = 1e-5, num_token_types: int = 0,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False, add_lm_head: bool = True,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, process_group: Any = None) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, final_layernorm: bool = False,
+                 process_group: Any = None) -> None:
         super().__init__(process_group)
         word = nn.Embedding(vocab_size, hidden_size)
         nn.init.normal_(word.weight, 0.0, initializer_range)
@@ -82,6 +84,8 @@ class DistributedTransformerLMHead(DistributedModule):
             use_normal_initialization=use_normal_initialization, causal_mask_size=causal_mask_size,
             add_cross_attention=add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
             process_group=self.group)
+        # SMP v1's internal ``final_layernorm``: a LayerNorm after the last layer (pre-LN models: GPT-2's ln_f).
+        self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon) if final_layernorm else None
         self.add_cross_attention, self.add_lm_head = add_cross_attention, add_lm_head
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -100,6 +104,8 @@ class DistributedTransformerLMHead(DistributedModule):
             mask = attention_mask.to(x.dtype).view(attention_mask.shape[0], 1, 1, -1) * MASK_VALUE
         args = (x, cross_states, mask, cross_mask) if self.add_cross_attention else (x, mask)
         hidden = self.transformer(args)[0]
+        if self.layernorm is not None:
+            hidden = self.layernorm(hidden)
         if not self.add_lm_head:
             return (hidden,)
         local = F.linear(copy_to_tp(hidden, self.group), self.word_embedding.weight)  # [N, S, V/tp]

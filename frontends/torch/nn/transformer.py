@@ -26,7 +26,13 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 __all__ = ["ACTIVATIONS", "DistributedTransformerOutputLayer", "DistributedTransformerLayer",
            "DistributedTransformer"]
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# "gelu_new" is GPT-2's tanh approximation of GELU (Hugging Face's name), so a translated GPT-2
+# computes the same numbers as the Hugging Face model.
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "relu": F.relu}
 
 
 def _activation(name: str) -> Any:

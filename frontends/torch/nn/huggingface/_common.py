@@ -1,0 +1,104 @@
+"""What every Hugging Face family module shares: the translation error, key walking, loading full weights.
+
+A translate function maps names (and, for GPT-2's fused ``c_attn`` and ``Conv1D`` layout, values)
+between a Hugging Face state dict and the state dict of SMP v1's structure (`smp.torch.nn`
+modules). Values are moved, transposed, split or concatenated, never recomputed, so a round trip
+gives back the very same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from smp.errors import SMPError
+
+from ..group import resolve_group
+from ..params import shard_packed, tp_split_dim
+from ..rng import _config_seed
+
+logger = logging.getLogger("smp")
+M = TypeVar("M", bound=nn.Module)
+
+__all__ = ["HFTranslationError", "build_from_hf", "check_max_seq_len", "load_full_weights", "unknown_keys_error"]
+
+
+class HFTranslationError(SMPError, ValueError):
+    """A state dict (or config) does not fit the Hugging Face family it is translated for."""
+
+
+def unknown_keys_error(family: str, direction: str, keys: list[str], expected: str) -> HFTranslationError:
+    shown = ", ".join(repr(k) for k in keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
+    return HFTranslationError(
+        f"{direction} ({family}): {len(keys)} key(s) are not {expected}: {shown}. Fix: pass the state dict of "
+        f"a {family} model (strip any prefix a wrapper added, e.g. 'module.'), or use the translate function "
+        "of the model's family (smp.torch.nn.huggingface.FAMILIES lists them)")
+
+
+def check_max_seq_len(max_seq_len: Any) -> None:
+    """SMP v1's ``max_seq_len`` rebuilt the ``attn.bias`` causal-mask buffers of transformers 4.x.
+
+    transformers 5 keeps no such buffer in its state dicts, so the value is only checked.
+    """
+    if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):
+        raise HFTranslationError(f"max_seq_len={max_seq_len!r} must be a positive int or None")
+
+
+def layer_index(pattern: re.Pattern[str], key: str) -> tuple[str, int, str] | None:
+    """(prefix, layer index, rest) of ``key`` under ``pattern`` (groups: prefix, index, rest)."""
+    m = pattern.match(key)
+    return (m["prefix"], int(m["index"]), m["rest"]) if m else None
+
+
+def load_full_weights(module: nn.Module, full: dict[str, torch.Tensor], what: str,
+                      process_group: Any = None) -> None:
+    """Copy unsharded tensors into ``module``; each TP shard takes this rank's slice.
+
+    Raises:
+        HFTranslationError: a parameter of ``module`` is missing from ``full``, or a shape differs.
+    """
+    group = resolve_group(process_group)
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in full]
+    extra = [k for k in full if k not in own]
+    if missing or extra:
+        raise HFTranslationError(
+            f"{what}: the translated state dict does not match {type(module).__name__}: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}. Fix: build the model from the same config as the weights")
+    with torch.no_grad():
+        for name, t in own.items():
+            value = full[name]
+            dim = tp_split_dim(t)
+            if dim is not None:
+                value = shard_packed(value, dim, int(getattr(t, "tp_packed", 1)), group, name)
+            if tuple(value.shape) != tuple(t.shape):
+                raise HFTranslationError(f"{what}: {name} is {tuple(value.shape)} in the weights but "
+                                         f"{tuple(t.shape)} in {type(module).__name__}")
+            t.copy_(value.to(t.dtype))
+
+
+def build_from_hf(hf: nn.Module, build: Callable[[], M], translated: Callable[[], dict[str, torch.Tensor]],
+                  what: str, process_group: Any = None) -> M:
+    """``build()`` the SMP v1 module for the Hugging Face module ``hf`` and give it ``hf``'s weights.
+
+    When ``hf`` still has meta parameters (delayed initialisation), there are no weights to keep:
+    the new module is initialised afresh, from a generator seeded with ``random_seed`` (else
+    ``tensor_parallel_seed``) so every TP rank slices the same full tensors, leaving the caller's
+    random state untouched.
+    """
+    if any(p.is_meta for p in hf.parameters()):
+        logger.info("%s: delayed (meta) parameters; the SMP v1 structure is initialised afresh (seed %d)",
+                    what, _config_seed())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_config_seed())
+            new = build()
+    else:
+        new = build()
+        load_full_weights(new, translated(), what, process_group)
+    new.train(hf.training)
+    return new
