@@ -2,7 +2,7 @@
 
 import smp.state as _state_mod
 
-from . import amp, exceptions
+from . import amp, exceptions, optimizers, utils
 from .checkpointing.saving import load, resume_from_checkpoint, save, save_checkpoint
 from .model import DistributedModel
 from .model.creation import model_creation
@@ -146,6 +146,8 @@ __all__ = [
     "tp_rank",
     "tp_size",
     "nn",
+    "optimizers",
+    "utils",
     "set_tensor_parallelism",
     "tensor_parallelism",
     "tp_register",

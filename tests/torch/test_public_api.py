@@ -17,7 +17,7 @@ TORCH_ALL = {
     "rdp_size", "recv_from", "reset", "resume_from_checkpoint", "save", "save_checkpoint", "send",
     "set_activation_checkpointing", "set_partition", "shutdown", "size", "state", "step", "tp_barrier", "tp_rank",
     "tp_size", "nn", "set_tensor_parallelism", "tensor_parallelism", "tp_register", "tp_register_with_module",
-    "transform", "delay_param_initialization", "model_creation",
+    "transform", "delay_param_initialization", "model_creation", "optimizers", "utils",
 }
 
 CONFIG_KEYS = {

@@ -2,7 +2,8 @@
 
 SMP v1 layers (global sizes, SMP v1 signatures): `DistributedLinear`, `DistributedEmbedding`,
 `DistributedLayerNorm`, `DistributedAttentionLayer`, `DistributedTransformerOutputLayer`,
-`DistributedTransformerLayer`, `DistributedTransformer`, `DistributedTransformerLMHead`. Building blocks underneath (Megatron
+`DistributedTransformerLayer`, `DistributedTransformer`, `DistributedTransformerLMHead`, and
+`FusedLayerNorm` (apex's, on torch's kernel without apex). Building blocks underneath (Megatron
 style): `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`,
 `parallel_cross_entropy`, the mappings at the edges of a TP region, and the RNG tracker.
 """
@@ -12,6 +13,7 @@ from .basic import DistributedEmbedding, DistributedLayerNorm, DistributedLinear
 from .batch import BatchScaled, scale_batch, unscale_batch
 from .cross_entropy import parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .fused import FusedLayerNorm
 from .group import TPShardingError
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .lm_head import DistributedTransformerLMHead
@@ -36,6 +38,7 @@ __all__ = [
     "DistributedTransformerLayer",
     "DistributedTransformerLMHead",
     "DistributedTransformerOutputLayer",
+    "FusedLayerNorm",
     "RNGStatesTracker",
     "RowParallelLinear",
     "TPShardingError",
