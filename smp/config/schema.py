@@ -128,10 +128,13 @@ KEYS: tuple[Key, ...] = (
     Key("delayed_parameter_initialization", _BOOL, False, "Create parameters on the meta device and "
         "materialise them after partitioning.", since="1.10"),
     # --- precision ---------------------------------------------------------------------------
-    Key("fp16", _BOOL, False, "FP16 training (model cast to half, loss scaling in the optimizer).",
-        since="1.10"),
-    Key("bf16", _BOOL, False, "BF16 training; excludes `fp16` and `fp16_params`.", since="1.11"),
-    Key("fp16_params", _BOOL, False, "Deprecated: use `fp16`.", since="1.6"),
+    Key("fp16", _BOOL, False, "FP16 training: `smp.DistributedModel` casts the model to float16 (floating "
+        "inputs in, float32 outputs out), `smp.DistributedOptimizer` steps fp32 master weights and scales the "
+        "loss (`static_loss_scale`, or `dynamic_loss_scale` with `dynamic_loss_args`); a step whose gradients "
+        "hold an inf/NaN on any rank is skipped on every rank.", since="1.10"),
+    Key("bf16", _BOOL, False, "BF16 training: the model in bfloat16, fp32 master weights in the optimizer, "
+        "no loss scaling (as in SMP v1); excludes `fp16` and `fp16_params`.", since="1.11"),
+    Key("fp16_params", _BOOL, False, "Deprecated: use `fp16` (same effect).", since="1.6"),
     # --- seeds and misc ---------------------------------------------------------------------
     Key("tensor_parallel_seed", _INT, 0, "Seed of random ops inside TP modules.", low=0, since="1.6"),
     Key("random_seed", _INT, None, "SMP v2: base seed, offset by tp_rank inside TP regions.", nullable=True,
