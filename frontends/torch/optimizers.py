@@ -15,13 +15,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+import smp.state as smp_state
 from smp.errors import SMPError
+from smp.topology import GroupKind
+
+from .nn.params import is_tp_sharded
 
 __all__ = ["FusedAdam", "FusedLAMB", "FusedLamb", "OptimizerArgumentError"]
 
@@ -199,8 +204,10 @@ class FusedLAMB(torch.optim.Optimizer):
         trust = |p| / |u| where both are > 0, else 1;  only where weight_decay != 0 or use_nvlamb
         p     = p - lr * trust * u
 
-    The norms are this process's: with pipeline or tensor parallelism a rank sees its own
-    parameters (as apex's LAMB under SMP v1 did). ``step`` counts per group (``group["step"]``)
+    With pipeline or tensor parallelism the norms are the whole model's, completed over the
+    ranks that hold its other parts (see the note at the end of this module), so the run matches
+    one process whatever the layout; every rank of a replica must call ``step()``, as SMP v1
+    scripts do. ``step`` counts per group (``group["step"]``)
     and the moments live in ``state[p]["exp_avg"]``/``["exp_avg_sq"]``, in apex's layout, so apex
     checkpoints load.
 
@@ -234,25 +241,27 @@ class FusedLAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        par = _model_parallel()
         work = [(group, *_grads(group, "FusedLAMB")) for group in self.param_groups]
-        all_grads = [g for _, _, grads in work for g in grads]
-        if not all_grads:
+        pairs = [(p, g) for _, params, grads in work for p, g in zip(params, grads, strict=True)]
+        if not pairs and par is None:
             return loss
-        grad_norm = _norm(all_grads)
+        # Every rank of a model-parallel group reaches the norm's allreduce, with gradients or not.
+        grad_norm = _grad_norm(pairs, par)
         for group, params, grads in work:
             if params:
-                self._step_group(group, params, grads, grad_norm)
+                self._step_group(group, params, grads, grad_norm, par)
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                    grad_norm: torch.Tensor) -> None:
-        group["step"] = step = group.get("step", 0) + 1
+                    grad_norm: torch.Tensor, par: _Parallel | None) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        trust = wd != 0 or self.use_nvlamb
+        group["step"] = step = group.get("step", 0) + 1
         c1, c2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
         beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
         max_norm = group["max_grad_norm"]
-        trust = wd != 0 or self.use_nvlamb
         ms, vs = [], []
         for p in params:
             state = self.state[p]
@@ -261,6 +270,8 @@ class FusedLAMB(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             ms.append(state["exp_avg"])
             vs.append(state["exp_avg_sq"])
+        order: list[torch.Tensor] = []  # params and their updates, bucket by bucket
+        updates: list[torch.Tensor] = []
         for ps, gs, m, v in _buckets(params, grads, ms, vs):
             if max_norm is not None and max_norm > 0:
                 clip = torch.clamp(grad_norm / max_norm, min=1.0).to(device=ps[0].device, dtype=ps[0].dtype)
@@ -278,13 +289,17 @@ class FusedLAMB(torch.optim.Optimizer):
             torch._foreach_div_(update, denom)
             if wd and self.adam_w_mode:
                 torch._foreach_add_(update, ps, alpha=wd)
-            if trust:
-                p_norms = torch._foreach_norm(ps)
-                u_norms = torch._foreach_norm(update)
-                for u, pn, un in zip(update, p_norms, u_norms, strict=True):
-                    ratio = torch.where((pn > 0) & (un > 0), pn / un, torch.ones_like(pn))
-                    u.mul_(ratio)
-            torch._foreach_add_(ps, update, alpha=-lr)
+            order.extend(ps)
+            updates.extend(update)
+        if trust:  # ``order`` is bucket by bucket already: the norms come in its order
+            p_norms = [n for ps, _ in _buckets(order, updates) for n in torch._foreach_norm(ps)]
+            u_norms = [n for _, us in _buckets(order, updates) for n in torch._foreach_norm(us)]
+            if par is not None:
+                p_norms, u_norms = _tp_norms(order, p_norms, u_norms, par)
+            for u, pn, un in zip(updates, p_norms, u_norms, strict=True):
+                u.mul_(torch.where((pn > 0) & (un > 0), pn / un, torch.ones_like(pn)))
+        for ps, us in _buckets(order, updates):
+            torch._foreach_add_(ps, us, alpha=-lr)
 
 
 FusedLamb = FusedLAMB  # SMP v1's reference spells it so (smp.optimizers.FusedLamb)
@@ -297,3 +312,73 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     parts = [n.to(device=device, dtype=dtype).reshape(1)
              for (ts,) in _buckets(tensors) for n in torch._foreach_norm(ts, 2, dtype)]
     return torch.linalg.vector_norm(torch.cat(parts))
+
+
+# --- norms across model-parallel ranks --------------------------------------------------------------
+# With pipeline or tensor parallelism one rank holds part of the model, so LAMB's norms are
+# completed over the ranks that hold the rest: the gradient norm over the MP group (pipeline
+# stages hold disjoint parameters; a TP shard counts on every TP rank, a replicated parameter once,
+# on tp_rank 0), a TP shard's parameter and update norms over its TP group. The result is the
+# one-process optimizer's, whatever the layout (apex's LAMB under SMP v1 used each rank's own).
+
+
+class _Parallel(NamedTuple):
+    mp_group: Any
+    mp_ranks: list[int]
+    tp_group: Any
+    tp_ranks: list[int]
+    tp_rank: int
+
+
+def _model_parallel() -> _Parallel | None:
+    """This rank's MP and TP groups when smp runs the model on more than one rank per replica."""
+    st = smp_state.current()
+    rank_map = st.rank_map
+    if st.cfg is None or st.framework != "torch" or rank_map is None or rank_map.pp_size * rank_map.tp_size == 1:
+        return None
+    from .runtime.init import runtime
+
+    rt = runtime()
+    return _Parallel(rt.groups[GroupKind.MP], list(rt.group_ranks[GroupKind.MP]), rt.groups[GroupKind.TP],
+                     list(rt.group_ranks[GroupKind.TP]), rank_map.coord(st.rank).tp_rank)
+
+
+def _sum(values: torch.Tensor, group: Any, ranks: list[int], what: str) -> torch.Tensor:
+    """``values`` (float64, on the CPU: gloo carries it next to NCCL too) summed over ``group``."""
+    from .runtime.failure import wait
+
+    out = values.detach().to(device="cpu", dtype=torch.float64)
+    if len(ranks) > 1:
+        wait(dist.all_reduce(out, group=group, async_op=True), what, ranks)
+    return out
+
+
+def _grad_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], par: _Parallel | None) -> torch.Tensor:
+    grads = [g for _, g in pairs]
+    if par is None:
+        return _norm(grads)
+    counted = [g for p, g in pairs if is_tp_sharded(p) or par.tp_rank == 0]
+    local = _norm(counted).double().cpu() ** 2 if counted else torch.zeros((), dtype=torch.float64)
+    total = _sum(local.reshape(1), par.mp_group, par.mp_ranks, "FusedLAMB: gradient norm over the MP group")
+    device = grads[0].device if grads else torch.device("cpu")
+    return total.sqrt().reshape(()).to(device)
+
+
+def _tp_norms(params: list[torch.Tensor], p_norms: list[torch.Tensor], u_norms: list[torch.Tensor],
+              par: _Parallel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The full tensors' norms for TP shards (the others are whole on every rank already).
+
+    The TP peers hold the same parameters (shards of the same tensors), so they agree on whether
+    there is anything to exchange.
+    """
+    shards = [i for i, p in enumerate(params) if is_tp_sharded(p)]
+    if len(par.tp_ranks) < 2 or not shards:
+        return p_norms, u_norms
+    squares = torch.stack([x.double().cpu() ** 2 for i in shards for x in (p_norms[i], u_norms[i])])
+    summed = _sum(squares, par.tp_group, par.tp_ranks, "FusedLAMB: TP shard norms").sqrt()
+    p_norms, u_norms = list(p_norms), list(u_norms)
+    for k, i in enumerate(shards):
+        p_norms[i] = summed[2 * k].to(device=p_norms[i].device, dtype=p_norms[i].dtype)
+        u_norms[i] = summed[2 * k + 1].to(device=u_norms[i].device, dtype=u_norms[i].dtype)
+    return p_norms, u_norms
+

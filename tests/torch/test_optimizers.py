@@ -258,3 +258,94 @@ def test_optimizers_are_on_smp_torch() -> None:
     import smp.torch as smp
 
     assert smp.optimizers.FusedAdam is FusedAdam and smp.optimizers.FusedLAMB is FusedLAMB
+
+
+# --- FusedLAMB across model-parallel ranks ------------------------------------------------------------
+
+LAMB_PARALLEL = {"lr": 5e-2, "weight_decay": 0.01, "max_grad_norm": 0.05}  # the gradient clip is active
+
+
+def _lamb_pp2() -> dict[str, torch.Tensor]:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "auto_partition": False, "default_partition": 0, "microbatches": 2,
+              "comm_timeout": 60.0})
+    net = _model(torch.float32)
+    model = smp.DistributedModel(net)
+    smp.set_partition(net.fc2, 1)
+    opt = smp.DistributedOptimizer(FusedLAMB(_groups(net, weight_decay=0.0, lr=2e-2), **LAMB_PARALLEL))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = ((model(x) - y) ** 2).mean()
+        model.backward(loss)
+        return loss
+
+    for step in range(4):
+        opt.zero_grad()
+        train_step(model, *_batch(step, torch.float32))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.local_named_parameters()}
+
+
+def test_fused_lamb_on_two_pipeline_ranks_matches_one_process() -> None:
+    from tests.helpers.spawn import run_ranks
+
+    ranks = run_ranks(_lamb_pp2, 2, timeout=120)
+    ref = _model(torch.float32)
+    opt = FusedLAMB(_groups(ref, weight_decay=0.0, lr=2e-2), **LAMB_PARALLEL)
+    for step in range(4):
+        _backward(ref, step, torch.float32)  # the full batch's gradient = the average of its 2 microbatches'
+        opt.step()
+    expected = dict(ref.named_parameters())
+    assert sorted(ranks[0]) == ["fc1.bias", "fc1.weight"] and sorted(ranks[1]) == ["fc2.bias", "fc2.weight"]
+    for rank, params in enumerate(ranks):
+        for name, value in params.items():  # the clip uses the whole model's gradient norm, not the stage's
+            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"{name} on rank {rank}")
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(7))
+
+
+def _lamb_tp2() -> dict[str, torch.Tensor]:
+    import smp.torch as smp
+
+    from tests.torch.tp.test_tp_hf import _model as hf_model
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True, "comm_timeout": 60.0})
+    model = smp.DistributedModel(smp.transform(hf_model("llama")))
+    opt = smp.DistributedOptimizer(FusedLAMB(model.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.5))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    for _ in range(3):
+        opt.zero_grad()
+        train_step(model, _ids())
+        opt.step()
+    params = set(dict(model.module.named_parameters()))
+    return {k: v for k, v in model.state_dict(gather_to_rank0=False).items() if k in params}
+
+
+def test_fused_lamb_on_two_tensor_parallel_ranks_matches_one_process() -> None:
+    pytest.importorskip("transformers")
+    from tests.helpers.spawn import run_ranks
+    from tests.torch.tp.test_tp_hf import _model as hf_model
+
+    ranks = run_ranks(_lamb_tp2, 2, timeout=180)
+    ref = hf_model("llama")
+    opt = FusedLAMB(ref.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        ref(input_ids=_ids(), labels=_ids()).loss.backward()
+        opt.step()
+    # Sharded tensors' trust ratios use the full tensors' norms, the clip the whole model's gradient norm.
+    for rank, state in enumerate(ranks):
+        assert set(state) == {n for n, _ in ref.named_parameters()}, rank
+        for name, value in ref.named_parameters():
+            torch.testing.assert_close(state[name], value.detach(), rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}")
