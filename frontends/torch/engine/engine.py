@@ -172,6 +172,24 @@ class _Fetch(torch.autograd.Function):
 _ANCHOR = torch.empty(0, requires_grad=True)
 
 
+class _Alias(torch.autograd.Function):
+    """``x``'s storage as a new non-leaf whose gradient goes to ``x`` as it is now.
+
+    The owner hands a received tensor to the module through one, so a module that changes its
+    input in place (``nn.ReLU(inplace=True)``) may, as in one process; the received leaf still
+    collects the gradient. The caller keeps one of each tensor it sent before that tensor is
+    changed in place, so later fetches still send that tensor's gradient to its old history.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad
+
+
 def _info_task(info: dict[str, Any]) -> Task:
     """The task a fetched value belongs to (held weakly: see Note [task lifetime])."""
     task: Task | None = info["task"]()
@@ -351,6 +369,8 @@ class Engine:
             if signature is not None and reply_body["open"] and not reply_tensors:
                 self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True})
         ndeps = len(task.sent.get(owner, ()))
+        for marker, out in reply_body.get("modified", ()):
+            self._apply_change(task, owner, marker, tensors, out, reply_tensors[out.data], ndeps, path)
         out_skeleton = reply_body["skeleton"]
 
         def leaf(x: Any) -> Any:
@@ -364,6 +384,30 @@ class Engine:
             return x
 
         return map_structure(out_skeleton, leaf)
+
+    def _apply_change(self, task: Task, owner: int, marker: tuple[str, Any], sent: list[torch.Tensor], out: Out,
+                      data: torch.Tensor, ndeps: int, path: str) -> None:
+        """Note [inputs changed in place]: the module on ``owner`` changed one of the tensors this call
+        sent it in place (``nn.ReLU(inplace=True)``); change ours the same way, as in one process.
+
+        Our tensor becomes the owner's new value (a fetch, so its gradient goes there); first every
+        record of it as sent to a rank is replaced by an alias of it as it was, so the gradients
+        those ranks return still reach its old history.
+        """
+        kind, ident = marker
+        if kind == "slot":
+            local = sent[ident]
+        else:
+            local = next(ref() for ref, _, _, leaf_id in task.cache.get(owner, {}).values() if leaf_id == tuple(ident))
+        value = self._fetched(task, owner, out.key, data, out.requires_grad, ndeps, path)
+        if local.requires_grad:
+            with torch.enable_grad():
+                old = _Alias.apply(local)
+            for records in task.sent.values():
+                for i, (leaf_id, t) in enumerate(records):
+                    if t is local:
+                        records[i] = (leaf_id, old)
+        local.copy_(value)
 
     def _send(self, pp_dst: int, kind: int, mb: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors))
@@ -439,15 +483,24 @@ class Engine:
         if not task.holding:
             self._acquire(task, FORWARD)
 
+        passed: list[tuple[tuple[str, Any], torch.Tensor, int]] = []  # what came as data, to see in-place changes
+
+        def given(marker: tuple[str, Any], t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                with torch.enable_grad():
+                    t = _Alias.apply(t)
+            passed.append((marker, t, t._version))
+            return t
+
         def leaf(x: Any) -> Any:
             if isinstance(x, Slot):
                 t = msg.tensors[x.index]
                 if x.requires_grad:
                     t = t.requires_grad_(True)
                 task.leaves[(src, body["id"][1], x.index)] = t
-                return t
+                return given(("slot", x.index), t)
             if isinstance(x, Cached):
-                return task.leaves[x.leaf]
+                return given(("cached", x.leaf), task.leaves[x.leaf])
             if isinstance(x, Ref):
                 return task.values[x.key]
             return x
@@ -457,13 +510,14 @@ class Engine:
             func = body["func"]
             out = func(*args, **kwargs) if func is not None else self.run_local(body["path"], body["span"], args,
                                                                                  kwargs)
+        changed = [(marker, t) for marker, t, version in passed if t._version != version]
         if task.run_with == src:
             task.run_with = None  # the caller holds its own baton again: it continues from our reply
         eager = body["eager"]
         data: list[torch.Tensor] = []
         count = 0
 
-        def out_leaf(x: Any) -> Any:
+        def out_leaf(x: Any, send: bool = False) -> Any:
             nonlocal count
             x = _ref_or_value(x, src)
             if not isinstance(x, torch.Tensor):
@@ -473,7 +527,7 @@ class Engine:
             task.values[key] = x
             rg = body["grad"] and x.requires_grad
             slot = -1
-            if eager is None or index in eager:
+            if send or eager is None or index in eager:
                 data.append(x.detach())
                 slot = len(data) - 1
                 if rg:
@@ -481,10 +535,13 @@ class Engine:
             return Out(key, index, tuple(x.shape), tuple(x.stride()), x.dtype, rg, slot)
 
         skeleton = map_structure(out, out_leaf)
+        # Inputs the module changed in place go back with their new values: the caller changes its
+        # own tensors the same way (Note [inputs changed in place]).
+        modified = [(marker, out_leaf(t, send=True)) for marker, t in changed]
         self._end_run(task)  # a run we opened on a third rank
         keep = body["open"] and not data and task.holding
         self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
-                                                   "trail": task.trail}, data)
+                                                   "trail": task.trail, "modified": modified}, data)
         if task.holding and not keep:
             self._release(task)
 

@@ -491,12 +491,7 @@ def _train_each(names: list[str], pp: int, comm_timeout: float) -> dict[str, dic
 
 # Models the current engine gets wrong, each run in a launch of its own (an exception on a rank ends
 # its launch): name -> the reason.
-KNOWN_BUGS = {
-    "inplace_input": "engine bug: the owner of a remote call receives the caller's tensors as new leaves "
-                     "(requires_grad_ on the received copies), so a child that changes its input in place "
-                     "raises 'a leaf Variable that requires grad is being used in an in-place operation', "
-                     "and the caller's tensor never sees the change (one process: both work)",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _names(pp: int) -> list[str]:
