@@ -2,8 +2,9 @@
 
 A `Registration` says how a marked module of a class becomes its distributed version: either a
 ``convert(module, **overrides)`` that keeps the module's weights (built in: ``nn.Linear`` ->
-`DistributedLinear`, ``nn.Embedding`` -> `DistributedEmbedding`, and the Hugging Face causal LMs
-of `MODEL_FAMILIES` through `transform`), or SMP v1's hooks: the distributed module is built
+`DistributedLinear`, ``nn.Embedding`` -> `DistributedEmbedding`, the Hugging Face causal LMs
+of `MODEL_FAMILIES` through `transform`, and GPT-2 / the BERT and RoBERTa encoders into SMP v1's
+structure through `smp.torch.nn.huggingface`), or SMP v1's hooks: the distributed module is built
 from the original constructor arguments through ``init_hook`` (fresh weights, as in SMP v1), its
 calls are translated by ``forward_hook`` and its outputs by ``return_hook``.
 
@@ -30,7 +31,7 @@ from smp.torch.nn.basic import DistributedEmbedding, DistributedLinear
 from torch import nn
 
 __all__ = ["Registration", "REGISTRY", "tp_register", "tp_register_with_module", "registration_for",
-           "HF_CAUSAL_LM_CLASSES"]
+           "HF_CAUSAL_LM_CLASSES", "HF_SMP_V1_CLASSES"]
 
 M = TypeVar("M", bound=type)
 InitHook = Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]
@@ -74,17 +75,38 @@ REGISTRY: dict[type, Registration] = {
     nn.Embedding: Registration(DistributedEmbedding, convert=_embedding),
 }
 
+# Marked, these become SMP v1's structure (smp.torch.nn.huggingface; docs/huggingface.md says why):
+# class name -> (transformers module, smp.torch.nn.huggingface module, distributed module name).
+HF_SMP_V1_CLASSES = {
+    "GPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "gpt2", "DistributedTransformerLMHead"),
+    "BertEncoder": ("transformers.models.bert.modeling_bert", "bert", "DistributedTransformer"),
+    "RobertaEncoder": ("transformers.models.roberta.modeling_roberta", "roberta", "DistributedTransformer"),
+}
+# Marked, these are converted by `transform`, keeping the Hugging Face structure.
 HF_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "GPTNeoXForCausalLM",
-                        "GPT2LMHeadModel", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+                        "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
 
 
 def _hf_registrations() -> dict[type, Registration]:
-    """The Hugging Face causal LMs, when transformers is already imported (never imported here)."""
+    """The Hugging Face models, when transformers is already imported (never imported here)."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return {}
     classes = [getattr(transformers, name, None) for name in HF_CAUSAL_LM_CLASSES]
-    return {cls: Registration(_hf, convert=_hf) for cls in classes if cls is not None}
+    out = {cls: Registration(_hf, convert=_hf) for cls in classes if cls is not None}
+    import importlib
+
+    from smp.torch.nn import huggingface
+
+    for name, (module_name, family, dist_name) in HF_SMP_V1_CLASSES.items():
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue
+        fam = getattr(huggingface, family)
+        dist_module = getattr(importlib.import_module("smp.torch.nn"), dist_name)
+        out[cls] = Registration(dist_module, convert=fam.convert)
+    return out
 
 
 def all_registrations() -> dict[type, Registration]:

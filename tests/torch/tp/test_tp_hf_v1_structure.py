@@ -1,0 +1,114 @@
+"""The SMP v1 path for a Hugging Face GPT-2: marked under tp=2, it becomes SMP v1's structure and trains
+like one process.
+
+``smp.model_creation(tensor_parallelism=True)`` around ``AutoModelForCausalLM.from_config`` (what
+SMP v1's ``train_gpt_simple.py`` writes), then ``smp.DistributedModel`` at tp=2 x pp=1: the module is
+a `DistributedTransformerLMHead` with ``transformer.seq_layers``; each rank's loss per step equals the
+one-process Hugging Face model's on the TP group's combined batch; ``model.state_dict()`` translated to
+Hugging Face names equals the one-process model's parameters; a Hugging Face state dict translated
+the other way loads back; ``model.save_pretrained`` writes a checkpoint plain transformers loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.spawn import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+VOCAB = 64
+
+
+def _config() -> Any:
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16, n_inner=48,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(7))
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ids = _data()
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def _train(path: str) -> dict[str, Any]:
+    import smp.torch as smp
+    from smp.torch.nn import DistributedTransformerLMHead
+    from smp.torch.nn.huggingface.gpt2 import (
+        translate_hf_state_dict_to_smdistributed_gpt2,
+        translate_state_dict_to_hf_gpt2,
+    )
+
+    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 1, "ddp": True, "microbatches": 1,
+              "comm_timeout": 60.0})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.float32, fused_softmax=True,
+                            attention_in_fp32=False):
+        model = transformers.AutoModelForCausalLM.from_config(_config())
+    model = smp.DistributedModel(model)
+    m = model.get_module()
+    assert isinstance(m, DistributedTransformerLMHead), type(m)
+    assert len(m.transformer.seq_layers) == 2  # what SMP v1 scripts read
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    ids = _data().chunk(smp.dp_size())[smp.dp_rank()]  # SMP v1: per-rank batches (prescaled_batch False)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(train_step(model, ids).reduce_mean().item())
+        opt.step()
+    hf_state = translate_state_dict_to_hf_gpt2(model.state_dict(), max_seq_len=16)
+    # a Hugging Face state dict translated to SMP v1 names loads into the distributed model
+    torch.manual_seed(5)
+    other = transformers.AutoModelForCausalLM.from_config(_config())
+    model.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(other.state_dict()))
+    with torch.no_grad():
+        @smp.step
+        def logits_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=ids).logits
+
+        loaded = logits_step(model, ids).concat()
+    want = other(input_ids=ids).logits.detach()
+    torch.testing.assert_close(loaded, want, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(path)
+    return {"losses": losses, "hf_state": hf_state, "ids": ids, "want": want}
+
+
+def test_marked_gpt2_at_tp2_trains_like_one_process_and_translates(tmp_path: Any) -> None:
+    ref_losses, ref_state = _reference()
+    results = run_ranks(_train, 2, args=(str(tmp_path),), timeout=110)
+    for rank, res in enumerate(results):
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, r=rank: f"rank {r}: losses\n{m}")
+        assert sorted(res["hf_state"]) == sorted(ref_state)
+        for name, value in ref_state.items():
+            torch.testing.assert_close(res["hf_state"][name], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, r=rank, n=name: f"rank {r}: {n}\n{m}")
+    # the SMP v1 structure saves a plain Hugging Face checkpoint (of the last loaded weights)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=results[0]["ids"]).logits, results[0]["want"],
+                                   rtol=1e-5, atol=1e-5)
