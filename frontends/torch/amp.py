@@ -2,7 +2,7 @@
 ``smp.DistributedOptimizer`` under ``fp16: True``.
 
 Each pipeline rank only sees its own parameters' gradients (and each TP rank its own shards), so one
-rank may find an overflow the others do not. `agree_found_inf` takes the maximum of the ranks' "found
+rank may find an overflow the others do not. `any_rank` takes the maximum of the ranks' "found
 inf" flags over the world, so every rank skips ``optimizer.step()`` together and keeps the same scale
 (SMP v1 semantics of ``smp.amp.GradScaler``; the same rule for ``fp16: True``).
 
@@ -32,15 +32,15 @@ from smp.errors import ConfigProblem, SMPInvalidArgumentError
 
 from .runtime.failure import wait
 
-__all__ = ["DYNAMIC_LOSS_DEFAULTS", "DynamicLossScaler", "GradScaler", "LossScaler", "agree_found_inf",
+__all__ = ["DYNAMIC_LOSS_DEFAULTS", "DynamicLossScaler", "GradScaler", "LossScaler", "any_rank",
            "make_loss_scaler"]
 
 
-def agree_found_inf(local: torch.Tensor | float, what: str) -> bool:
-    """Whether any rank of the world found an inf/NaN (``local`` > 0 on that rank): a collective over the world.
+def any_rank(local: torch.Tensor | float, what: str) -> bool:
+    """Whether ``local`` > 0 on any rank of the world (found an inf/NaN, say): a collective over the world.
 
     Every rank must call it at the same point (each ``optimizer.step()``); with one process it returns
-    ``local > 0``.
+    ``local > 0``. ``what`` names the wait in a timeout error.
     """
     flag = torch.tensor([float(local)]) if not isinstance(local, torch.Tensor) else \
         local.detach().float().reshape(1).cpu().clone()
@@ -80,7 +80,7 @@ class GradScaler(torch.amp.GradScaler):
         local = torch.zeros(1)
         for flag in flags.values():
             local += flag.detach().float().cpu()
-        found = agree_found_inf(local, "GradScaler inf check")
+        found = any_rank(local, "GradScaler inf check")
         for flag in flags.values():
             flag.fill_(float(found))
 

@@ -109,6 +109,12 @@ class MasterWeights:
             found = found or bool(flag.item() > 0)
         return found
 
+    def grads_signature(self) -> tuple[tuple[int, int] | None, ...]:
+        """Which 16-bit gradients the model holds now (identity and version): changes with every backward,
+        ``zero_grad`` and in-place edit, so master grads taken from older ones are known to be stale."""
+        return tuple((id(p.grad), p.grad._version) if p.grad is not None else None
+                     for p, m in self.pairs if m is not p)
+
     def weights_out(self) -> None:
         """Copy the masters into the model's 16-bit weights (after a step)."""
         with torch.no_grad():

@@ -37,7 +37,7 @@ import torch
 import smp.state as smp_state
 from smp.errors import ConfigProblem, SMPCheckpointError, SMPInvalidArgumentError
 
-from .amp import DYNAMIC_LOSS_DEFAULTS, LossScaler, agree_found_inf, make_loss_scaler
+from .amp import DYNAMIC_LOSS_DEFAULTS, LossScaler, any_rank, make_loss_scaler
 from .errors import DistributedOptimizerError
 from .master_weights import MasterWeights, global_grad_norm
 from .model.precision import half_dtype
@@ -172,7 +172,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     orig_step = optimizer.step
     orig_zero_grad = optimizer.zero_grad
     pending: list[tuple[Callable[..., None], dict[str, Any]]] = []
-    prepared = [False]  # master grads hold this iteration's (unscaled) gradients
+    # The model gradients the master grads were last taken from (None: not taken since the last step).
+    prepared: list[tuple[Any, ...] | None] = [None]
 
     def ensure_built() -> bool:
         if not masters.built and model.partitioned:
@@ -180,12 +181,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         return masters.built
 
     def prepare(self: Any) -> bool:
-        """Once per iteration: master grads from the model's, and whether any rank overflowed."""
-        if not prepared[0]:
-            masters.refresh_changed()
-            local = masters.grads_in(scaler.loss_scale)
-            self.overflow = agree_found_inf(float(local), "the fp16/bf16 overflow check of optimizer.step()")
-            prepared[0] = True
+        """Once per set of gradients: master grads from the model's, and whether any rank overflowed.
+
+        Master grads taken earlier in this iteration (``clip_master_grads`` before ``step``) are reused
+        unless some rank's model gradients changed since; the ranks agree on that, so they all run the
+        same collectives.
+        """
+        if prepared[0] is not None:
+            changed = prepared[0] != masters.grads_signature()
+            if not any_rank(float(changed), "optimizer.step(): did gradients change since clip_master_grads"):
+                return bool(self.overflow)
+        masters.refresh_changed()
+        local = masters.grads_in(scaler.loss_scale)
+        self.overflow = any_rank(float(local), "the fp16/bf16 overflow check of optimizer.step()")
+        prepared[0] = masters.grads_signature()
         return bool(self.overflow)
 
     def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
@@ -200,7 +209,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         overflow = prepare(self)
         scaler.update_scale(overflow)
         self.loss_scale = scaler.loss_scale
-        prepared[0] = False
+        prepared[0] = None
         if overflow:
             if st.rank == 0:
                 logger.info("optimizer.step() skipped: inf/NaN gradients at loss scale %g (agreed by every rank); "
@@ -213,7 +222,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     def zero_grad(self: Any, set_to_none: bool = True) -> None:
         orig_zero_grad(set_to_none)
         masters.zero_model_grads(set_to_none)
-        prepared[0] = False
+        prepared[0] = None
 
     def clip_master_grads(self: Any, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients the optimizer steps (fp32 masters under fp16/bf16) to a global norm of ``max_norm``.

@@ -22,7 +22,7 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)
 
 
-def _setup(fp16: bool, clip: float | None = None) -> tuple[Any, Any, Any]:
+def _setup(fp16: bool, clip: float | None = None, scaling: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
     import smp.torch as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
@@ -31,7 +31,7 @@ def _setup(fp16: bool, clip: float | None = None) -> tuple[Any, Any, Any]:
     net = MLP()
     model = smp.DistributedModel(net)
     net.place(2, smp.set_partition)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), **(SCALING if fp16 else {}))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), **(scaling or SCALING if fp16 else {}))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,9 +82,13 @@ def _first_run(path: str) -> dict[str, Any]:
         smp.amp.GradScaler().unscale_(opt)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
+    full = opt.state_dict()  # every rank has dp_rank 0 here: gathered over the pipeline
+    names = {n for n, _ in model.module.named_parameters()}
+    assert set(full["fp32_from_fp16"]) == names and set(full["state"]) == names and "_smp_is_partial" not in full
     # SMP v1: optimizer.load_state_dict(state_dict, gather_if_shard); a round trip changes nothing.
     before = {k: v.clone() for k, v in fp16["fp32_from_fp16"].items()}
     opt.load_state_dict(local, False)
+    opt.load_state_dict(full)
     assert all(torch.equal(before[k], v) for k, v in opt.local_fp16_state_dict()["fp32_from_fp16"].items())
     later = run(range(4, 8))
     return {"later": later, "scale": scale_at_save, "overflow": overflows_at_save,
@@ -183,3 +187,40 @@ def test_clip_master_grads_in_float32_uses_the_norm_over_both_pipeline_ranks() -
             for name, g in got.items():
                 torch.testing.assert_close(g, want[name])
     assert set(ranks[0]["grads"][0]).isdisjoint(ranks[1]["grads"][0])
+
+
+def _accumulated() -> dict[str, Any]:
+    """Two @smp.step calls accumulate before one step; a clip_master_grads between them (to log the norm)
+    must not leave stale master grads behind."""
+    import smp.torch as smp
+
+    out = {}
+    for early_clip in (False, True):
+        model, opt, _ = _setup(fp16=True, scaling={"static_loss_scale": 256.0})
+
+        @smp.step
+        def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        opt.zero_grad()
+        train_step(model, *_data(0))
+        first = opt.clip_master_grads(1e-3) if early_clip else None
+        train_step(model, *_data(1))
+        norm = opt.clip_master_grads(1e-3)
+        opt.step()
+        out[early_clip] = {"first": first, "norm": norm, "overflow": opt.overflow,
+                           "masters": {n: t.clone() for n, t in opt.local_fp16_state_dict()["fp32_from_fp16"].items()}}
+        smp.reset()
+    return out
+
+
+def test_master_grads_follow_gradients_accumulated_after_a_clip() -> None:
+    for r in run_ranks(_accumulated, 2, timeout=120):
+        plain, clipped_early = r[False], r[True]
+        assert not plain["overflow"] and plain["norm"] > 1e-3, "the clip is active"
+        assert clipped_early["first"] != plain["norm"], "the first clip saw one step's gradients"
+        assert clipped_early["norm"] == plain["norm"]
+        for name, value in plain["masters"].items():
+            assert torch.equal(clipped_early["masters"][name], value), name
