@@ -10,6 +10,7 @@ apply (`state_dict`). What ``@smp.step`` and checkpoints use of the model is dec
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from smp.topology import GroupKind
 from ..engine.engine import Engine, current_task
 from ..errors import (
     BwdExecutionNotInStepFnError,
+    DDPNotEnabledError,
     FwdExecutionNotInStepFnError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
@@ -36,6 +38,8 @@ from . import data_parallel
 from . import state_dict as states
 from .dispatch import Dispatch
 from .interface import RecordedStep
+from .join import UnevenInputs
+from .v1_path import install_v1_ddp_path
 
 logger = logging.getLogger("smp")
 
@@ -103,6 +107,7 @@ class DistributedModel(nn.Module):
         self._tracing = False
         self._steps = 0
         self._average: data_parallel.MicrobatchAverage | None = None  # set when partitioned
+        self._join: UnevenInputs | None = None  # inside `with model.join():`
         self._local_param_ids: set[int] = set()
         self.plans: dict[Any, RecordedStep] = {}
         self.last_timeline: list[Any] = []
@@ -118,6 +123,8 @@ class DistributedModel(nn.Module):
             self._pending_loads.append(saved_model)
         if self.cfg.pipeline_parallel_degree == 1:
             self._apply_partition({p: 0 for p, _ in module.named_modules()}, None)
+        if self.cfg.ddp:
+            install_v1_ddp_path(module)
 
     # --- properties and accessors -----------------------------------------------------------------
 
@@ -195,6 +202,46 @@ class DistributedModel(nn.Module):
     def _param_is_local(self, p: nn.Parameter) -> bool:
         return id(p) in self._local_param_ids
 
+    def is_local_parameter(self, param: str | torch.Tensor) -> bool:
+        """Whether ``param`` (a parameter, or its name) lives on this pp_rank (SMP v1).
+
+        Names are those of ``local_named_parameters()`` (``"fc.weight"``) or of
+        ``model.named_parameters()`` (``"module.fc.weight"``, SMP v1's spelling under ddp too).
+        Raises ``ModelNotPartitionedError`` before the first step (pp > 1), and an error naming the
+        argument when it is no parameter of this model.
+        """
+        self._require_partition()
+        return self._is_local_member(param, "parameter", dict(self.module.named_parameters(remove_duplicate=False)),
+                                     lambda t: id(t) in self._local_param_ids)
+
+    def is_local_buffer(self, buffer: str | torch.Tensor) -> bool:
+        """Whether ``buffer`` (a buffer, or its name) lives on this pp_rank (SMP v1); names as in `is_local_parameter`."""
+        self._require_partition()
+        local = {id(b) for b in self.local_buffers()}
+        return self._is_local_member(buffer, "buffer", dict(self.module.named_buffers(remove_duplicate=False)),
+                                     lambda t: id(t) in local)
+
+    def _is_local_member(self, item: str | torch.Tensor, kind: str, named: dict[str, torch.Tensor],
+                         is_local: Callable[[torch.Tensor], bool]) -> bool:
+        if isinstance(item, str):
+            name = item
+            for prefix in ("module.module.", "module."):  # model.named_parameters(); SMP v1's DDP path
+                if name not in named and name.startswith(prefix) and name[len(prefix):] in named:
+                    name = name[len(prefix):]
+            if name not in named:
+                close = difflib.get_close_matches(name, list(named), n=3)
+                raise SMPError(f"is_local_{kind}({item!r}): no {kind} of this model has that name"
+                               + (f" (similar: {close})" if close else "")
+                               + f". Fix: use a name from model.local_named_{kind}s() or the {kind} itself")
+            return is_local(named[name])
+        if isinstance(item, torch.Tensor):
+            if not any(t is item for t in named.values()):
+                raise SMPError(f"is_local_{kind}: the tensor (shape {tuple(item.shape)}) is no {kind} of this model"
+                               f" (after tensor parallelism, take the {kind}s from the model again). Fix: pass "
+                               f"one of model.{kind}s()")
+            return is_local(item)
+        raise TypeError(f"is_local_{kind} takes a {kind} or its name (str), got {type(item).__name__}")
+
     # --- hooks --------------------------------------------------------------------------------------
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> _Handle:
@@ -243,8 +290,10 @@ class DistributedModel(nn.Module):
                 self._partition_now(first_microbatch)
             if self._average is not None:
                 self._average.begin()
+            if self._join is not None:
+                self._join.begin_step()
             if self.cfg.ddp and self.broadcast_buffers:
-                data_parallel.broadcast_from_dp0(self.local_buffers())
+                self._broadcast_buffers()
             yield
         finally:
             self._in_step = False
@@ -254,13 +303,106 @@ class DistributedModel(nn.Module):
             self._average.end()
         self._steps += 1
         if self.cfg.ddp and self._steps % self.backward_passes_per_step == 0:
-            data_parallel.sync_gradients(self.local_parameters(), self.bucket_cap_mb)
+            self._sync_gradients(training=True)
         if self._steps == 1 or self._post_step_hooks:
             hooks, self._post_step_hooks = list(self._post_step_hooks), []
             for hook in hooks:
                 hook(self, smp_state.current().optimizer)
 
+    def _broadcast_buffers(self) -> None:
+        if self._join is not None:
+            self._join.broadcast_buffers(self.local_buffers())
+        else:
+            data_parallel.broadcast_from_dp0(self.local_buffers())
+
+    def _sync_gradients(self, training: bool) -> None:
+        if self._join is not None:
+            self._join.sync_gradients(self.local_parameters(), self.bucket_cap_mb, training)
+        else:
+            data_parallel.sync_gradients(self.local_parameters(), self.bucket_cap_mb)
+
+    # --- uneven inputs across replicas (join.py) --------------------------------------------------
+
+    @contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """Let DP replicas run different numbers of steps inside the block (SMP v1; DDP's ``join``).
+
+        A replica that runs out of batches waits at the block's end, taking part in the others'
+        gradient and buffer syncs with zeros, until every replica is done; then all take the model
+        of one that trained longest. Gradients are divided by the initial DP size (the finished
+        replicas count as zeros) unless ``divide_by_initial_world_size=False``, which divides by the
+        number still training. ``throw_on_early_termination`` raises on every rank instead, at the
+        first step where one replica has run out. Needs ``ddp: True``. The ranks of one pipeline
+        or TP group must run the same number of steps (the step is a collective among them); the
+        optimizer step of a finished replica is skipped, so its optimizer state stays behind.
+
+        Example:
+            >>> with model.join():
+            ...     for x, y in loader:          # a different number of batches per replica
+            ...         train_step(model, x, y)
+            ...         optimizer.step()
+        """
+        if not self.cfg.ddp:
+            raise DDPNotEnabledError("model.join() needs data parallelism: set ddp: True in the smp config "
+                                     "(SMP v1 raised here too)")
+        if not enable:
+            yield
+            return
+        if self._join is not None:
+            raise SMPError("model.join() inside another model.join() block: use one block around the loop")
+        self._join = UnevenInputs(divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            if not self._partitioned:
+                raise ModelNotPartitionedError(
+                    "model.join(): this rank ran no step inside the block, so the model was never partitioned "
+                    "here. Fix: give every replica at least one batch")
+            last = self._join.drain(self._shadow_step)
+            self._join.sync_final(last, [*self.local_parameters(), *self.local_buffers()])
+        finally:
+            self._join = None
+
+    def _shadow_step(self) -> None:
+        """This rank's part in one step of the replicas still training, after its own last batch."""
+        if self.broadcast_buffers:
+            self._broadcast_buffers()
+        self._steps += 1
+        if self._steps % self.backward_passes_per_step == 0:
+            self._sync_gradients(training=False)
+
     # --- partitioning -------------------------------------------------------------------------------
+
+    def load_saved_partition(self, partition_info: dict[str, int]) -> None:
+        """Use a saved partition decision (module path -> pp_rank) instead of computing one (SMP v1).
+
+        ``partition_info`` is what ``model.partition_assignment`` returned in the run that saved it
+        (``save_checkpoint`` stores it and ``resume_from_checkpoint`` reloads it by itself). Call it
+        before the first step: automatic partitioning and later ``smp.set_partition`` calls are then
+        ignored, as in SMP v1.
+
+        Example:
+            >>> model.load_saved_partition(torch.load("partition.pt"))   # saved: model.partition_assignment
+        """
+        if not isinstance(partition_info, dict):
+            raise TypeError(f"load_saved_partition takes a dict of module path -> pp_rank (what "
+                            f"model.partition_assignment returns), got {type(partition_info).__name__}")
+        pp = self.cfg.pipeline_parallel_degree
+        bad = {k: v for k, v in partition_info.items()
+               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < pp}
+        if bad:
+            shown = dict(list(bad.items())[:5])
+            raise SMPError(f"load_saved_partition: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} not a module "
+                           f"path mapped to a pp_rank in [0, {pp}) (pipeline_parallel_degree={pp}): {shown}. Fix: "
+                           f"pass model.partition_assignment of a run with the same pipeline_parallel_degree")
+        if self._partitioned and pp > 1 and dict(partition_info) != self._owner:
+            raise SMPError("load_saved_partition after the first step: the model is already partitioned (another "
+                           "way). Fix: call load_saved_partition before the first smp.step call")
+        if smp_state.current().rank == 0 and not self._partitioned:
+            logger.info("load_saved_partition: using the saved partition; automatic partitioning and "
+                        "smp.set_partition calls are ignored")
+        self.use_saved_partition(partition_info)
+
 
     def use_saved_partition(self, assignment: dict[str, int]) -> None:
         """Take the partition a checkpoint was saved with (applied at the first step)."""
