@@ -12,6 +12,7 @@ bounds hold with 2-8x room.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -256,3 +257,37 @@ def test_bf16_pp2_matches_one_process() -> None:
                       timeout=180)
     ref = _reference("bf16", 1, 4, LossScaler(1.0), None, None)  # bf16: the loss is not scaled (SMP v1)
     _check(ranks, ref, "bf16", clip=False)
+
+
+def _delayed() -> dict[str, Any]:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
+              "default_partition": 0, "fp16": True, "delayed_parameter_initialization": True, "comm_timeout": 60.0})
+    with smp.model_creation():  # parameters on the meta device until partitioning
+        net = _build()
+    model = smp.DistributedModel(net)
+    net.place(2, smp.set_partition)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), static_loss_scale=128.0)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for _ in range(3):  # the same batch: the loss must go down
+        opt.zero_grad()
+        losses.append(float(train_step(model, *_data(0, 0)).reduce_mean()))
+        opt.step()
+    masters = opt.master_weights.masters
+    return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
+            "masters": sorted({str(masters[id(p)].dtype) for p in model.local_parameters()}),
+            "all_paired": all(id(p) in masters for p in model.local_parameters())}
+
+
+def test_delayed_parameters_materialise_in_16_bits_with_fp32_masters() -> None:
+    for r in run_ranks(_delayed, 2, timeout=120):
+        assert r["dtypes"] == ["torch.float16"] and r["masters"] == ["torch.float32"] and r["all_paired"]
+        assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r["losses"]

@@ -34,7 +34,7 @@ from ..errors import (
 from ..nn.batch import scale_arguments, unscale_outputs
 from ..partitioning.decide import check_saved_partition, decide_partition
 from ..runtime.init import runtime
-from . import data_parallel
+from . import data_parallel, precision
 from . import state_dict as states
 from .dispatch import Dispatch
 from .interface import RecordedStep
@@ -85,7 +85,10 @@ class DistributedModel(nn.Module):
             from ..tp import apply_tensor_parallelism
 
             module = apply_tensor_parallelism(module)
+        half = precision.half_dtype(st.cfg)  # fp16/bf16: 16-bit weights (SMP v1's FP16_Module); masters: optimizer
+        module = precision.cast_module(module, half)
         super().__init__()
+        self._half = half
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -264,9 +267,11 @@ class DistributedModel(nn.Module):
         if self.cfg.tensor_parallel_degree > 1 and not self.cfg.prescaled_batch:
             # Each TP rank brought its own batch: the model runs on the TP group's combined batch
             # and every rank gets its own samples' outputs back (reference 2.5; smp.torch.nn.batch).
+            args, kwargs = precision.cast_inputs(args, kwargs, self._half)
             args, kwargs, batch = scale_arguments(args, kwargs)
-            return unscale_outputs(self.module(*args, **kwargs), batch)
-        return self.module(*args, **kwargs)
+            return precision.cast_outputs(unscale_outputs(self.module(*args, **kwargs), batch), self._half)
+        args, kwargs = precision.cast_inputs(args, kwargs, self._half)
+        return precision.cast_outputs(self.module(*args, **kwargs), self._half)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Backward of the model's outputs inside an ``@smp.step`` function (replaces loss.backward())."""
@@ -274,6 +279,9 @@ class DistributedModel(nn.Module):
             raise BwdExecutionNotInStepFnError("model.backward(loss) must run inside an @smp.step function")
         if self._tracing:
             return
+        from ..optimizer import scaled_for_backward
+
+        tensors, grad_tensors = scaled_for_backward(tensors, grad_tensors)  # fp16: loss x loss scale
         engine = self.engine
         if engine is not None and current_task() is not None:
             engine.backward(tensors, grad_tensors)
