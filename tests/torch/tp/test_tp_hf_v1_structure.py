@@ -8,6 +8,8 @@ a `DistributedTransformerLMHead` with ``transformer.seq_layers``; each rank's lo
 one-process Hugging Face model's on the TP group's combined batch; ``model.state_dict()`` translated to
 Hugging Face names equals the one-process model's parameters; a Hugging Face state dict translated
 the other way loads back; ``model.save_pretrained`` writes a checkpoint plain transformers loads.
+A marked BERT / RoBERTa masked LM at tp=2 has SMP v1's encoder and the Hugging Face loss, logits and
+gradients.
 """
 
 from __future__ import annotations
@@ -122,3 +124,54 @@ def test_marked_gpt2_trains_like_one_process_and_translates(tmp_path: Any, pp: i
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=results[0]["ids"]).logits, results[0]["want"],
                                    rtol=1e-5, atol=1e-5)
+
+
+def _encoder_config(kind: str) -> Any:
+    cls = transformers.BertConfig if kind == "bert" else transformers.RobertaConfig
+    return cls(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _masked_lm(kind: str) -> dict[str, Any]:
+    """A marked BertForMaskedLM / RobertaForMaskedLM at tp=2: the encoder is SMP v1's
+    DistributedTransformer, the loss, logits and every gradient are the Hugging Face model's."""
+    import smp.torch as smp
+    from smp.torch.nn import DistributedTransformer, full_state_dict
+    from smp.torch.nn.huggingface import translate_state_dict_to_hf
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True, "comm_timeout": 60.0})
+    cls = transformers.BertForMaskedLM if kind == "bert" else transformers.RobertaForMaskedLM
+    torch.manual_seed(0)
+    ref = cls(_encoder_config(kind))
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    want.loss.backward()
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        hf = cls(_encoder_config(kind))
+    model = smp.DistributedModel(hf)
+    encoder = getattr(model.get_module(), kind).encoder
+    assert isinstance(encoder, DistributedTransformer) and len(encoder.seq_layers) == 2
+
+    @smp.step
+    def step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        model.backward(out.loss)
+        return out.loss, out.logits
+
+    loss, logits = step(model, ids, mask)
+    torch.testing.assert_close(loss.reduce_mean(), want.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.concat(), want.logits.detach(), rtol=1e-5, atol=1e-5)
+    grads = translate_state_dict_to_hf(full_state_dict(model.get_module(), smp.get_tp_process_group(), grads=True))
+    # the marked pooler / head nn.Linear layers became DistributedLinear, which holds its weights at .linear.
+    grads = {k.replace(".linear.", "."): v for k, v in grads.items()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    return {"kind": kind}
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_marked_encoder_at_tp2_matches_the_hf_model(kind: str) -> None:
+    assert run_ranks(_masked_lm, 2, args=(kind,), timeout=110) == [{"kind": kind}] * 2
