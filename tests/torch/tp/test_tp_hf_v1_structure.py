@@ -175,3 +175,34 @@ def _masked_lm(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 def test_marked_encoder_at_tp2_matches_the_hf_model(kind: str) -> None:
     assert run_ranks(_masked_lm, 2, args=(kind,), timeout=110) == [{"kind": kind}] * 2
+
+
+def _delayed() -> float:
+    import smp.torch as smp
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "delayed_parameter_initialization": True,
+              "random_seed": 3, "prescaled_batch": True, "comm_timeout": 60.0})
+    with smp.model_creation(tensor_parallelism=True):
+        model = transformers.AutoModelForCausalLM.from_config(_config())
+    assert all(p.is_meta for p in model.parameters())
+    model = smp.DistributedModel(model)
+    assert not any(p.is_meta for p in model.parameters())
+
+    @smp.step
+    def loss_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    with torch.no_grad():
+        return float(loss_step(model, _data()).reduce_mean().item())
+
+
+def test_delayed_gpt2_gets_the_documented_fresh_weights() -> None:
+    """Delayed (meta) parameters: the SMP v1 structure is initialised afresh from ``random_seed``, the
+    same full model on every TP rank: its loss is that of the one-process module built after
+    ``torch.manual_seed(random_seed)``."""
+    from smp.torch.nn.huggingface.gpt2 import GPT2DistributedTransformerLMHead
+
+    torch.manual_seed(3)
+    with torch.no_grad():
+        want = GPT2DistributedTransformerLMHead(_config())(input_ids=_data(), labels=_data()).loss.item()
+    assert run_ranks(_delayed, 2, timeout=110) == pytest.approx([want, want], rel=1e-5)
