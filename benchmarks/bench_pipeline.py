@@ -11,11 +11,13 @@ write them; one step = 8 microbatches of 2 sequences, the same data on every sid
 torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over the same layers
 (first half of the layers + embedding | second half + head); smp runs the SMP v1 script shape
 (``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
-``model.backward(loss)``) with the same cut through ``smp.set_partition`` and, for the HF model,
+``model.backward(loss)``) with the same cut through ``smp.set_partition`` and, for the loop models,
 also with ``auto_partition`` (SMP v1's default). One thread per rank, one launch per side and
 schedule; printed per model: the single-process time, the 1F1B limit
-``single / p * (m + p - 1) / m``, and per row the median step time after warm-up, what runs on
-rank 1 and, for smp, the microbatch chain recorded on the first step.
+``single / p * (m + p - 1) / m``, the floor of the hand cut (each torch stage's forward + backward
+of one microbatch timed alone in one process: no 2-stage schedule that keeps backward whole can
+finish a step in less than ``m * max + min``), and per row the median step time after warm-up,
+what runs on rank 1 and, for smp, the microbatch chain recorded on the first step.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--model all|sequential|modulelist|hf-llama]
         [--steps 8] [--warmup 2]
@@ -141,7 +143,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[Any, torch.Tensor], t
     "hf-llama": (_llama, lambda m, x: m(input_ids=x).logits, lambda m, r: _LlamaLayers(m, r == 0),
                  _cut_llama, "model.layers.4-7, model.norm, lm_head"),
 }
-SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual",), "hf-llama": ("manual", "auto")}
+SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual", "auto"), "hf-llama": ("manual", "auto")}
 
 
 # --- one process, torch, smp ---------------------------------------------------------------------------
@@ -160,6 +162,29 @@ def single(name: str, steps: int, warmup: int) -> list[float]:
             (lm_loss(logits(model, xm), ym) / M).backward()
         times.append(time.perf_counter() - start)
     return times[warmup:]
+
+
+def stage_times(name: str, steps: int, warmup: int) -> tuple[float, float]:
+    """Seconds of forward + backward of one microbatch through each of torch's two stages, in one
+    process (median): what the cut asks of each rank with no pipeline around it."""
+    build, _, stage_of, _, _ = MODELS[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build()
+    first, second = stage_of(model, 0), stage_of(model, 1)
+    times: tuple[list[float], list[float]] = ([], [])
+    for step, (x, y) in enumerate(_data(steps + warmup)):
+        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+            start = time.perf_counter()
+            h = first(xm)
+            h.backward(torch.ones_like(h))
+            mid = time.perf_counter()
+            h = h.detach().requires_grad_()
+            (lm_loss(second(h), ym) / M).backward()
+            if step >= warmup:
+                times[0].append(mid - start)
+                times[1].append(time.perf_counter() - mid)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def theirs(name: str, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -249,6 +274,7 @@ def _chain(chain: list[int]) -> str:
 def bench(name: str, steps: int, warmup: int) -> None:
     env = {"OMP_NUM_THREADS": "1"}
     one = statistics.median(single(name, steps, warmup))
+    t0, t1 = stage_times(name, steps, warmup)
     rows = []
     launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
         ("torch.distributed.pipelining", theirs, (name, s, steps, warmup)) for s in ("1f1b", "gpipe")]
@@ -261,16 +287,20 @@ def bench(name: str, steps: int, warmup: int) -> None:
         rows.append((label, args[1], t, rank1, _chain(out[0]["chain"]) if "chain" in out[0] else "-"))
     p = 2
     limit = one / p * (M + p - 1) / M
+    floor = M * max(t0, t1) + min(t0, t1)
     best_theirs = min(t for label, _, t, _, _ in rows if not label.startswith("smp"))
     print(f"\nmodel {name}")
     print(f"single process, 1 thread, {M} microbatches of {MB}: {one * 1e3:.0f} ms/step")
-    print(f"1F1B limit single/p*(m+p-1)/m = {limit * 1e3:.0f} ms\n")
-    print("| engine | schedule | ms/step (median) | / best torch | / 1F1B limit | speedup vs 1 process "
-          "| on rank 1 | chain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"1F1B limit single/p*(m+p-1)/m = {limit * 1e3:.0f} ms")
+    print(f"one microbatch through torch's stage 0 / stage 1 alone (forward + backward, one process): "
+          f"{t0 * 1e3:.1f} / {t1 * 1e3:.1f} ms; floor of this cut for a 2-stage pipeline that does not split "
+          f"backward, m * max + min = {floor * 1e3:.0f} ms\n")
+    print("| engine | schedule | ms/step (median) | / best torch | / floor of the cut | / 1F1B limit "
+          "| speedup vs 1 process | on rank 1 | chain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, sched, t, rank1, chain in rows:
-        print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / limit:.3f} | {one / t:.2f}x "
-              f"| {rank1} | {chain} |", flush=True)
+        print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / floor:.3f} | {t / limit:.3f} "
+              f"| {one / t:.2f}x | {rank1} | {chain} |", flush=True)
 
 
 class _Ping(nn.Module):
