@@ -81,7 +81,24 @@ def _fused_allowed(params: Iterable[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in devices for p in params)
 
 
-class FusedAdam(torch.optim.Adam):
+class _GradNone(torch.optim.Optimizer):
+    """apex's ``set_grad_none``: what ``zero_grad()`` does unless told otherwise."""
+
+    set_grad_none: bool
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the gradients: to None unless ``set_grad_none=False`` (or ``set_to_none=False``)."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class FusedAdam(_GradNone, torch.optim.Adam):
     """apex's ``FusedAdam`` on torch's Adam: Adam, or AdamW with ``adam_w_mode`` (the default).
 
     Args:
@@ -125,16 +142,9 @@ class FusedAdam(torch.optim.Adam):
                 group.setdefault(key, self.defaults[key])
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear the gradients: to None unless ``set_grad_none=False`` (or ``set_to_none=False``)."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         corrected, uncorrected = [], []
         for group in self.param_groups:
             (corrected if group["bias_correction"] else uncorrected).append(group)
@@ -190,7 +200,7 @@ class FusedAdam(torch.optim.Adam):
             torch._foreach_addcdiv_(ps, m, denom, value=-lr)
 
 
-class FusedLAMB(torch.optim.Optimizer):
+class FusedLAMB(_GradNone):
     """apex's ``FusedLAMB``: Adam's direction, scaled per tensor by the trust ratio ``|p| / |u|``.
 
     One step, for the gradients ``g`` of every group together and then per tensor ``p``::
@@ -231,16 +241,9 @@ class FusedLAMB(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self.use_nvlamb = use_nvlamb
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear the gradients: to None unless ``set_grad_none=False`` (or ``set_to_none=False``)."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         par = _model_parallel()
         work = [(group, *_grads(group, "FusedLAMB")) for group in self.param_groups]
         pairs = [(p, g) for _, params, grads in work for p, g in zip(params, grads, strict=True)]
