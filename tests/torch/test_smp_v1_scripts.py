@@ -159,3 +159,46 @@ def test_checkpoint_sequential_gives_the_same_gradients() -> None:
         got = run_ranks(_checkpoint_grads, 1, args=(strategy,))[0]
         for name, grad in plain.items():
             torch.testing.assert_close(got[name], grad)
+
+
+def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4", script, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc
+
+
+def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_path: Any) -> None:
+    """examples/train_gpt_simple.py (SMP v1's GPT-2 example shape): tp=2 x pp=2, delayed init, SMP v1's
+    structure (transformer.seq_layers) with every layer checkpointed, fp16 with dynamic loss scaling and
+    clip_master_grads. A run resumed from its step-4 checkpoint repeats the uninterrupted run's losses
+    exactly on every rank; the translated full model loads into plain transformers; at tp=1 x pp=2 x dp=2
+    the script (which reads seq_layers) runs too."""
+    import transformers
+
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--fp16", "1", "--steps", "8", "--checkpoint-dir", ckpt]
+    straight = _torchrun("examples/train_gpt_simple.py", *common, "--save-every", "4",
+                         "--losses", str(tmp_path / "straight"))
+    _torchrun("examples/train_gpt_simple.py", *common, "--resume", "1", "--losses", str(tmp_path / "resumed"))
+    for rank, (a, b) in enumerate(zip(_rank_losses(tmp_path / "straight", 4), _rank_losses(tmp_path / "resumed", 4))):
+        assert b["start"] == 4, b
+        assert b["losses"] == a["losses"][4:], f"rank {rank}: resumed {b['losses']} vs {a['losses'][4:]}"
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", straight.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.1, straight.stdout
+
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    plain = transformers.GPT2LMHeadModel(cfg)
+    state = torch.load(os.path.join(ckpt, "hf_gpt2.pt"), weights_only=False)
+    plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    ids = (torch.arange(32) + 7).remainder(256)[None]
+    with torch.no_grad():
+        assert plain(input_ids=ids, labels=ids).loss.item() < losses[0] - 0.1, "the export holds the trained weights"
+
+    tp1 = _torchrun("examples/train_gpt_simple.py", "--tp", "1", "--steps", "3", "--checkpoint-dir",
+                    str(tmp_path / "tp1"))
+    assert "transformer.seq_layers.2-3 (2)" in tp1.stdout + tp1.stderr
+    assert os.path.exists(tmp_path / "tp1" / "hf_gpt2.pt")

@@ -11,6 +11,7 @@ the file, at once, instead of waiting in the next collective.
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -82,12 +83,12 @@ def _note_save_state(e: BaseException, path: str, tag: str) -> None:
 def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle, pickle_protocol: int = 2,
          v3: bool = False, **kwargs: Any) -> None:
     """``torch.save`` for smp: ``partial=True`` writes ``f"{f}_{pp}_{tp}.pt"`` (``_{rdp}`` with v3) on each
-    calling rank; ``partial=False`` writes ``f`` on rank 0 only. Writes are atomic."""
-    if partial:
-        name = partial_name(f, pp_rank(), tp_rank(), rdp_rank() if v3 else None)
+    calling rank; ``partial=False`` writes ``f`` on rank 0 only. Writes are atomic; a missing parent
+    folder is created."""
+    name = partial_name(f, pp_rank(), tp_rank(), rdp_rank() if v3 else None) if partial else f
+    if partial or rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
         files.atomic_save(obj, name, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
-    elif rank() == 0:
-        files.atomic_save(obj, f, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
 
 
 def load(f: str, map_location: Any = None, pickle_module: Any = None, partial: bool = True,

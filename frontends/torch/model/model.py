@@ -79,12 +79,18 @@ class DistributedModel(nn.Module):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
         if not isinstance(module, nn.Module):
             raise TypeError(f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}")
-        if st.cfg.tensor_parallel_degree > 1:
-            # Modules marked with smp.tensor_parallelism() / set_tensor_parallelism() become their
-            # distributed counterparts here, before partitioning (SMP v1 order).
-            from ..tp import apply_tensor_parallelism
+        # Modules marked with smp.tensor_parallelism() / set_tensor_parallelism() become their
+        # distributed counterparts here, before partitioning (SMP v1 order). At tp=1 only a marked
+        # GPT-2 / BERT / RoBERTa does (SMP v1's distributed transformer at any degree, which its
+        # scripts read: transformer.seq_layers); other marked modules stay as they are.
+        from ..tp import apply_tensor_parallelism
+        from ..tp.marking import is_marked
+        from ..tp.registry import HF_SMP_V1_CLASSES
 
+        if st.cfg.tensor_parallel_degree > 1:
             module = apply_tensor_parallelism(module)
+        elif any(type(m).__name__ in HF_SMP_V1_CLASSES and is_marked(m) for m in module.modules()):
+            module = apply_tensor_parallelism(module, only=HF_SMP_V1_CLASSES)
         half = precision.half_dtype(st.cfg)  # fp16/bf16: 16-bit weights (SMP v1's FP16_Module); masters: optimizer
         module = precision.cast_module(module, half)
         super().__init__()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -174,8 +174,9 @@ def _shares_weights(module: nn.Module, root: nn.Module) -> bool:
     return bool(inside & outside)
 
 
-def apply_tensor_parallelism(root: nn.Module) -> nn.Module:
-    """Replace every outermost marked supported module under ``root``; returns the (new) root.
+def apply_tensor_parallelism(root: nn.Module, only: Collection[str] | None = None) -> nn.Module:
+    """Replace every outermost marked supported module under ``root`` (with ``only``: of those class
+    names only); returns the (new) root.
 
     Example:
         >>> with tensor_parallelism():
@@ -185,6 +186,8 @@ def apply_tensor_parallelism(root: nn.Module) -> nn.Module:
     """
 
     def convert(m: nn.Module) -> nn.Module | None:
+        if only is not None and type(m).__name__ not in only:
+            return None
         reg = registration_for(m)
         if reg is None or not is_marked(m):
             return None
