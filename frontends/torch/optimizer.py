@@ -219,8 +219,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         masters.weights_out()
         return out
 
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        orig_zero_grad(set_to_none)
+    def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
+        if set_to_none is None:  # the optimizer's own default (apex's set_grad_none for FusedAdam/FusedLAMB)
+            orig_zero_grad()
+            set_to_none = getattr(self, "set_grad_none", True)
+        else:
+            orig_zero_grad(set_to_none)
         masters.zero_model_grads(set_to_none)
         prepared[0] = None
 

@@ -224,3 +224,34 @@ def test_master_grads_follow_gradients_accumulated_after_a_clip() -> None:
         assert clipped_early["norm"] == plain["norm"]
         for name, value in plain["masters"].items():
             assert torch.equal(clipped_early["masters"][name], value), name
+
+
+def _zero_grad_defaults() -> dict[str, Any]:
+    import smp.torch as smp
+    from smp.torch.optimizers import FusedAdam
+
+    smp.init({"fp16": True})
+    model = smp.DistributedModel(torch.nn.Linear(4, 4))
+    out = {}
+    for name, opt in (("fused_keep", FusedAdam(model.parameters(), set_grad_none=False)),
+                      ("torch", torch.optim.SGD(model.parameters(), lr=0.1))):
+        opt = smp.DistributedOptimizer(opt)
+
+        @smp.step
+        def step(model: Any, x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).float().pow(2).mean()
+            model.backward(loss)
+            return loss
+
+        step(model, torch.ones(2, 4))
+        opt.step()
+        opt.zero_grad()
+        out[name] = [None if p.grad is None else float(p.grad.abs().sum()) for p in model.parameters()]
+    return out
+
+
+def test_zero_grad_keeps_the_optimizers_own_default_under_fp16() -> None:
+    """apex's ``set_grad_none=False`` (FusedAdam) zeroes the gradients; a torch optimizer sets them to None."""
+    (out,) = run_ranks(_zero_grad_defaults, 1, timeout=60)
+    assert out["fused_keep"] == [0.0, 0.0]
+    assert out["torch"] == [None, None]

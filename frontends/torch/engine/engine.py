@@ -588,6 +588,12 @@ class Engine:
             kind = msg.kind
             if kind == FWD_REP and msg.body["id"] in task.ahead:
                 expected = task.ahead.pop(msg.body["id"])
+                if msg.body.get("modified"):
+                    raise SMPError(
+                        f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} changed one of its inputs "
+                        f"in place (call {msg.body['id']}), which it did not on the last step; smp sent that call "
+                        "without waiting for its reply, so the caller's tensor cannot follow. Fix: set "
+                        "\"fast_mode\": False in the config, or make the module change its inputs on every step or never")
                 if msg.body["skeleton"] != expected["skeleton"] or not msg.body["open"] or msg.tensors:
                     raise SMPError(
                         f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} returned outputs of other "

@@ -132,6 +132,11 @@ def test_translated_gpt2_in_smp_lm_head_gives_the_hf_logits() -> None:
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
     torch.testing.assert_close(out.logits, nopad.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, nopad.loss, rtol=1e-5, atol=1e-6)
+    # the Hugging Face padding mask as int or bool gives the same
+    by_int = conv(input_ids=ids, attention_mask=pad).logits
+    by_bool = conv(input_ids=ids, attention_mask=pad.bool()).logits
+    torch.testing.assert_close(by_bool, by_int)
+    torch.testing.assert_close(by_int[keep], ref.logits[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta"])

@@ -111,7 +111,7 @@ def _v1_mask(attention_mask: Any) -> Any:
     if attention_mask.dim() != 2:
         raise HFTranslationError(f"attention_mask of shape {tuple(attention_mask.shape)}: the SMP v1 GPT-2 "
                                  "structure takes the [batch, seq] padding mask (1 = attend)")
-    return 1 - attention_mask
+    return (attention_mask == 0).to(torch.long if attention_mask.dtype == torch.bool else attention_mask.dtype)
 
 
 def hf_gpt2_transformer_lm_head_forward_hook(input_ids: Any = None, past_key_values: Any = None,
