@@ -2,7 +2,8 @@
 
 One module per family, with SMP v1's names: `gpt2` (``GPT2LMHeadModel`` ->
 `DistributedTransformerLMHead`, and ``GPT2Block`` -> `DistributedTransformerLayer` through layer
-hooks), `bert` and `roberta` (the encoder -> `DistributedTransformer`). Each has
+hooks), `bert` and `roberta` (the encoder -> `DistributedTransformer`), `gptj` and `gptneox`
+(translate functions only: their hook getters raise, naming what smp's layers lack). Each has
 ``translate_hf_state_dict_to_smdistributed_<family>(state_dict)``,
 ``translate_state_dict_to_hf_<family>(state_dict, max_seq_len=None)`` and the hook getters.
 `translate_hf_state_dict_to_smdistributed` / `translate_state_dict_to_hf` pick the family from
@@ -11,36 +12,45 @@ the keys (or ``model_type``). docs/huggingface.md says which structure a user ge
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import bert, gpt2, roberta
+from . import bert, gpt2, gptj, gptneox, roberta
 from ._common import HFTranslationError
 
-__all__ = ["FAMILIES", "Family", "HFTranslationError", "bert", "family_of_state_dict", "gpt2", "roberta",
-           "translate_hf_state_dict_to_smdistributed", "translate_state_dict_to_hf"]
+__all__ = ["FAMILIES", "Family", "HFTranslationError", "bert", "family_of_state_dict", "gpt2", "gptj", "gptneox",
+           "roberta", "translate_hf_state_dict_to_smdistributed", "translate_state_dict_to_hf"]
 
 
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face family SMP v1's structure covers: its two translate functions and how to
-    recognise its state dicts (a key fragment on each side)."""
+    recognise its state dicts (a pattern some key matches, ``re.search``, on each side)."""
 
-    to_smdistributed: Callable[[dict[str, Any]], dict[str, Any]]
+    to_smdistributed: Callable[..., dict[str, Any]]
     to_hf: Callable[..., dict[str, Any]]
     hf_marker: str
     smd_marker: str
 
 
+# Recognised in this order, the first match wins. GPT-2's SMP v1 marker is its position embedding,
+# which GPT-J and GPT-NeoX (rotary) lack; a GPT-J SMP v1 state dict also has GPT-NeoX's marker
+# (lm_head.weight), so GPT-J is tried before GPT-NeoX, and both after the encoders, whose markers
+# are unambiguous.
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(gpt2.translate_hf_state_dict_to_smdistributed_gpt2, gpt2.translate_state_dict_to_hf_gpt2,
-                   ".attn.c_attn.", "word_embedding."),
+                   r"\.attn\.c_attn\.", r"^position_embedding\."),
     "bert": Family(bert.translate_hf_state_dict_to_smdistributed_bert, bert.translate_state_dict_to_hf_bert,
-                   "bert.encoder.layer.", "bert.encoder.seq_layers."),
+                   r"bert\.encoder\.layer\.", r"bert\.encoder\.seq_layers\."),
     "roberta": Family(roberta.translate_hf_state_dict_to_smdistributed_roberta,
-                      roberta.translate_state_dict_to_hf_roberta, "roberta.encoder.layer.",
-                      "roberta.encoder.seq_layers."),
+                      roberta.translate_state_dict_to_hf_roberta, r"roberta\.encoder\.layer\.",
+                      r"roberta\.encoder\.seq_layers\."),
+    "gptj": Family(gptj.translate_hf_state_dict_to_smdistributed_gptj, gptj.translate_state_dict_to_hf_gptj,
+                   r"^transformer\.h\.\d+\.attn\.q_proj\.", r"^transformer\.seq_layers\.\d+\.pre_layernorm\."),
+    "gptneox": Family(gptneox.translate_hf_state_dict_to_smdistributed_gptneox,
+                      gptneox.translate_state_dict_to_hf_gptneox, r"^gpt_neox\.layers\.", r"^lm_head\.weight$"),
 }
 
 
@@ -57,17 +67,19 @@ def family_of_state_dict(state_dict: dict[str, Any], hf: bool, model_type: str |
                                      "Fix: use one of those, or smp.transform(model) for other models")
         return key
     for name, family in FAMILIES.items():
-        marker = family.hf_marker if hf else family.smd_marker
-        if any(marker in k for k in state_dict):
+        marker = re.compile(family.hf_marker if hf else family.smd_marker)
+        if any(marker.search(k) for k in state_dict):
             return name
     raise HFTranslationError(f"no family recognised in a state dict with keys {list(state_dict)[:4]}: expected "
                              f"one of {sorted(FAMILIES)}. Fix: pass model_type=..., or the state dict of one of "
                              "those models")
 
 
-def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], model_type: str | None = None
-                                             ) -> dict[str, Any]:
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], model_type: str | None = None,
+                                             **options: Any) -> dict[str, Any]:
     """A Hugging Face state dict -> SMP v1's structure, for any family in `FAMILIES`.
+
+    ``options`` go to the family's function (GPT-NeoX needs ``num_attention_heads``).
 
     Example:
         >>> import transformers
@@ -76,10 +88,10 @@ def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], model_t
         >>> "transformer.seq_layers.0.attention.query.weight" in sd
         True
     """
-    return FAMILIES[family_of_state_dict(state_dict, True, model_type)].to_smdistributed(state_dict)
+    return FAMILIES[family_of_state_dict(state_dict, True, model_type)].to_smdistributed(state_dict, **options)
 
 
 def translate_state_dict_to_hf(state_dict: dict[str, Any], model_type: str | None = None,
-                               max_seq_len: int | None = None) -> dict[str, Any]:
-    """SMP v1's structure -> Hugging Face names, for any family in `FAMILIES`."""
-    return FAMILIES[family_of_state_dict(state_dict, False, model_type)].to_hf(state_dict, max_seq_len)
+                               max_seq_len: int | None = None, **options: Any) -> dict[str, Any]:
+    """SMP v1's structure -> Hugging Face names, for any family in `FAMILIES` (``options`` as above)."""
+    return FAMILIES[family_of_state_dict(state_dict, False, model_type)].to_hf(state_dict, max_seq_len, **options)

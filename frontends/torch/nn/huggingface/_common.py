@@ -25,7 +25,8 @@ from ..rng import _config_seed
 logger = logging.getLogger("smp")
 M = TypeVar("M", bound=nn.Module)
 
-__all__ = ["HFTranslationError", "build_from_hf", "check_max_seq_len", "load_full_weights", "unknown_keys_error"]
+__all__ = ["HFTranslationError", "build_from_hf", "check_max_seq_len", "load_full_weights", "reject_partial",
+           "rename_keys", "unknown_keys_error"]
 
 
 class HFTranslationError(SMPError, ValueError):
@@ -47,6 +48,43 @@ def check_max_seq_len(max_seq_len: Any) -> None:
     """
     if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):
         raise HFTranslationError(f"max_seq_len={max_seq_len!r} must be a positive int or None")
+
+
+def reject_partial(state_dict: dict[str, Any], what: str) -> None:
+    """SMP v1's translate functions take full state dicts (every TP shard gathered)."""
+    if state_dict.get("_smp_is_partial"):
+        raise HFTranslationError(f"{what}: this is a partial state dict (model.local_state_dict()); translate the "
+                                 "full one (model.state_dict(), or a full checkpoint)")
+
+
+def rename_keys(state_dict: dict[str, Any], top: dict[str, str], layer_in: re.Pattern[str], layer_out: str,
+                layer: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    r"""Rename by prefix: ``top`` maps whole-key prefixes, ``layer`` maps the owner (the name before
+    the last dot) of each key ``layer_in`` matches (groups: prefix, index, rest), which becomes
+    ``<layer_out><index>.<new owner>.<leaf>``. Returns (renamed, keys neither table covers).
+
+    Example:
+        >>> pat = re.compile(r"^(?P<prefix>)h\.(?P<index>\d+)\.(?P<rest>.+)$")
+        >>> rename_keys({"wte.weight": 1, "h.0.ln_1.bias": 2, "x": 3}, {"wte.": "word_embedding."}, pat,
+        ...             "seq_layers.", {"ln_1": "pre_layernorm"})
+        ({'word_embedding.weight': 1, 'seq_layers.0.pre_layernorm.bias': 2}, ['x'])
+    """
+    out: dict[str, Any] = {}
+    left: list[str] = []
+    for key, value in state_dict.items():
+        parsed = layer_index(layer_in, key)
+        if parsed is not None:
+            owner, _, leaf = parsed[2].rpartition(".")
+            if owner in layer:
+                out[f"{layer_out}{parsed[1]}.{layer[owner]}.{leaf}"] = value
+                continue
+        else:
+            head = next((p for p in top if key.startswith(p)), None)
+            if head is not None:
+                out[top[head] + key[len(head):]] = value
+                continue
+        left.append(key)
+    return out, left
 
 
 def layer_index(pattern: re.Pattern[str], key: str) -> tuple[str, int, str] | None:

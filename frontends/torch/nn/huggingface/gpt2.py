@@ -34,7 +34,14 @@ import torch
 
 from ..lm_head import DistributedTransformerLMHead
 from ..params import full_state_dict
-from ._common import HFTranslationError, build_from_hf, check_max_seq_len, layer_index, unknown_keys_error
+from ._common import (
+    HFTranslationError,
+    build_from_hf,
+    check_max_seq_len,
+    layer_index,
+    reject_partial,
+    unknown_keys_error,
+)
 
 __all__ = [
     "GPT2DistributedTransformerLMHead",
@@ -198,12 +205,6 @@ def get_hf_gpt2_transformer_layer_hooks() -> tuple[Any, Any, Any]:
 
 # --- state dicts -------------------------------------------------------------------------------
 
-def _reject_partial(state_dict: dict[str, Any], what: str) -> None:
-    if state_dict.get("_smp_is_partial"):
-        raise HFTranslationError(f"{what}: this is a partial state dict (model.local_state_dict()); translate the "
-                                 "full one (model.state_dict(), or a full checkpoint)")
-
-
 def _block_to_smd(rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
     owner, _, leaf = rest.rpartition(".")
     if owner == "attn.c_attn":
@@ -274,7 +275,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: dict[str, Any]) ->
         HFTranslationError: keys of another model, or an untied ``lm_head.weight``.
     """
     what = "translate_hf_state_dict_to_smdistributed_gpt2"
-    _reject_partial(state_dict, what)
+    reject_partial(state_dict, what)
     out, left = _blocks_to_smd(state_dict, _HF_LAYER, lambda p: "transformer.seq_layers." if p == "transformer."
                                else None, what)
     unknown = []
@@ -319,7 +320,7 @@ def translate_state_dict_to_hf_gpt2(state_dict: dict[str, Any], max_seq_len: int
     """
     what = "translate_state_dict_to_hf_gpt2"
     check_max_seq_len(max_seq_len)
-    _reject_partial(state_dict, what)
+    reject_partial(state_dict, what)
     out, left = _blocks_to_hf(state_dict, _SMD_LAYER, lambda p: "transformer.h.", what)
     unknown = []
     for key in left:
@@ -348,7 +349,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2_layer(state_dict: dict[str, An
     (`translate_state_dict_to_hf_gpt2_layer` accepts both spellings).
     """
     what = "translate_hf_state_dict_to_smdistributed_gpt2_layer"
-    _reject_partial(state_dict, what)
+    reject_partial(state_dict, what)
     out, left = _blocks_to_smd(state_dict, _HF_LAYER, lambda p: f"{p}h.", what)
     out.update({k: state_dict[k] for k in left if not k.endswith((".attn.bias", ".attn.masked_bias"))})
     return out
@@ -359,7 +360,7 @@ def translate_state_dict_to_hf_gpt2_layer(state_dict: dict[str, Any], max_seq_le
     """The inverse of `translate_hf_state_dict_to_smdistributed_gpt2_layer` (``h.N.module.*`` too)."""
     what = "translate_state_dict_to_hf_gpt2_layer"
     check_max_seq_len(max_seq_len)
-    _reject_partial(state_dict, what)
+    reject_partial(state_dict, what)
     out, left = _blocks_to_hf(state_dict, _SMD_HOOKED, lambda p: f"{p}h.", what)
     out.update({k: state_dict[k] for k in left})
     if "transformer.wte.weight" in out and "lm_head.weight" not in out:
