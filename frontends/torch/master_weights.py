@@ -141,13 +141,16 @@ class MasterWeights:
         self._mark_in_sync(p for p, m in self.pairs if m is not p)
 
 
-def global_grad_norm(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], norm_type: float) -> float:
+def global_grad_norm(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], norm_type: float,
+                     sharded: bool = False) -> float:
     """The norm of the stepped tensors' gradients over every rank, each gradient counted once.
 
     Pipeline ranks hold different parameters (summed); TP shards are different parts of one tensor
     (summed); a parameter replicated over the TP group counts on tp_rank 0 only; data-parallel
-    replicas hold the same gradients (the world sum is divided by their number, ``rdp_size``).
-    A collective over the world; with one process it is torch's ``clip_grad_norm_`` norm.
+    replicas hold the same gradients (the world sum is divided by their number, ``rdp_size``) --
+    unless ``sharded`` (``shard_optimizer_state``): then each replica steps different parameters,
+    each counted once already. A collective over the world; with one process it is torch's
+    ``clip_grad_norm_`` norm.
     """
     from .runtime.comm import rdp_size, tp_rank
 
@@ -165,5 +168,6 @@ def global_grad_norm(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], norm_ty
     total = local_sum.reshape(1)
     if initialized:
         wait(dist.all_reduce(total, async_op=True), "clip_master_grads norm", "world")
-        total /= rdp_size()
+        if not sharded:
+            total /= rdp_size()
     return float(total.item()) ** (1.0 / norm_type)

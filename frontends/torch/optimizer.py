@@ -41,6 +41,7 @@ from .amp import DYNAMIC_LOSS_DEFAULTS, LossScaler, any_rank, make_loss_scaler
 from .errors import DistributedOptimizerError
 from .master_weights import MasterWeights, global_grad_norm
 from .model.precision import half_dtype
+from .optimizer_shard import SHARD_KEY, OptimizerShard, merge_shards
 
 __all__ = ["DistributedOptimizer", "scaled_for_backward"]
 
@@ -78,15 +79,17 @@ def _on_cpu(value: Any, cast_to_cpu: bool) -> Any:
 
 
 def _by_name(opt: torch.optim.Optimizer, model: Any, masters: MasterWeights, only_local: bool,
-             cast_to_cpu: bool = True) -> dict[str, Any]:
+             cast_to_cpu: bool = True, shard: OptimizerShard | None = None) -> dict[str, Any]:
     names = _names(model, masters)
     local = {id(m) for _, m in masters.pairs} | {id(p) for p in model.local_parameters()} \
         if model.partitioned else None
     state: dict[str, Any] = {}
     groups = []
-    for group in opt.param_groups:
+    for i, group in enumerate(opt.param_groups):
         g = {k: v for k, v in group.items() if k != "params"}
-        g["params"] = [names[id(p)] for p in group["params"]]
+        # A shard's groups list every parameter of this (pp, tp) rank, not only the ones it steps.
+        members = shard.full_groups[i] if shard is not None else group["params"]
+        g["params"] = [names[id(p)] for p in members]
         groups.append(g)
         for p in group["params"]:
             if only_local and local is not None and id(p) not in local:
@@ -167,6 +170,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     dtype = half_dtype(st.cfg)
     scaler = _loss_scaling(static_loss_scale, dynamic_loss_scale, dict(dynamic_loss_args), dtype)
     masters = MasterWeights(optimizer, dtype)
+    rank_map = st.rank_map
+    sharding = bool(st.cfg is not None and st.cfg.shard_optimizer_state and rank_map is not None
+                    and rank_map.rdp_size > 1)
+    shards: list[OptimizerShard | None] = [None]  # built with the masters, after partitioning
     orig_state_dict = optimizer.state_dict
     orig_load = optimizer.load_state_dict
     orig_step = optimizer.step
@@ -177,8 +184,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
 
     def ensure_built() -> bool:
         if not masters.built and model.partitioned:
-            masters.build({id(p) for p in model.local_parameters()})
+            local = {id(p) for p in model.local_parameters()}
+            if sharding:
+                shard = shards[0] = OptimizerShard(optimizer, local)
+                local = {id(p) for p in shard.params if shard.owns(p)}
+            masters.build(local)
         return masters.built
+
+    def shard_mark(sd: dict[str, Any]) -> dict[str, Any]:
+        if shards[0] is not None:
+            sd[SHARD_KEY] = shards[0].mark
+        return sd
 
     def prepare(self: Any) -> bool:
         """Once per set of gradients: master grads from the model's, and whether any rank overflowed.
@@ -217,6 +233,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
             return None
         out = orig_step()
         masters.weights_out()
+        if shards[0] is not None:
+            shards[0].broadcast_stepped()
+        return out
+
+    def sharded_step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the parameters this rank owns, then take every other rdp rank's (fp32 training)."""
+        if not ensure_built():
+            return None
+        out = orig_step(closure) if closure is not None else orig_step()
+        if shards[0] is not None:
+            shards[0].broadcast_stepped()
         return out
 
     def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
@@ -226,7 +253,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         else:
             orig_zero_grad(set_to_none)
         masters.zero_model_grads(set_to_none)
+        if shards[0] is not None:
+            shards[0].zero_foreign_grads(set_to_none)
         prepared[0] = None
+
+    def sharded_zero_grad(self: Any, set_to_none: bool = True) -> None:
+        """``zero_grad``, also of the parameters that other rdp ranks step (fp32 training)."""
+        orig_zero_grad(set_to_none)
+        if shards[0] is not None:
+            shards[0].zero_foreign_grads(set_to_none)
 
     def clip_master_grads(self: Any, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients the optimizer steps (fp32 masters under fp16/bf16) to a global norm of ``max_norm``.
@@ -245,7 +280,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
             return 0.0
         if dtype is not None and prepare(self):
             return -1.0
-        total = global_grad_norm(masters.pairs, float(norm_type))
+        total = global_grad_norm(masters.pairs, float(norm_type), sharded=shards[0] is not None)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             with torch.no_grad():
@@ -267,35 +302,49 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         """This rank's optimizer state by parameter name, marked ``_smp_is_partial`` (no fp16 states)."""
         _check_flags("optimizer.local_optimizer_state_dict", cast_to_cpu=cast_to_cpu)
         ensure_built()
-        sd = _by_name(self, model, masters, only_local=True, cast_to_cpu=cast_to_cpu)
+        sd = _by_name(self, model, masters, only_local=True, cast_to_cpu=cast_to_cpu, shard=shards[0])
         sd["_smp_is_partial"] = True
-        return sd
+        return shard_mark(sd)
 
     def local_fp16_state_dict(self: Any) -> dict[str, Any]:
         """The loss scaler and this rank's fp32 master weights (SMP v1's ``fp16_states``)."""
         ensure_built()
-        return {**fp16_state(self), "_smp_is_partial": True, "_smp_by_name": True}
+        return shard_mark({**fp16_state(self), "_smp_is_partial": True, "_smp_by_name": True})
 
     def local_state_dict(self: Any, cast_to_cpu: bool = True, gather_if_shard: bool = True,
                          fp32_states_only: bool = False) -> dict[str, Any]:
         """This rank's part of the optimizer (a partial checkpoint): its state by parameter name plus, under
         fp16/bf16, the loss scaler and the fp32 masters. ``fp32_states_only`` returns only the latter.
 
-        ``gather_if_shard`` matters only with sharded optimizer state; smp keeps each rank's state whole,
-        so the state returned is this rank's complete state either way.
+        With ``shard_optimizer_state: True`` this rank holds only its shard: ``gather_if_shard=True``
+        (the default) gathers the shards of its RDP group into the complete state of its (pp, tp) part
+        -- a collective: call it on every rank -- and ``gather_if_shard=False`` returns the shard alone,
+        marked ``_smp_shard`` (save it on every rank with ``smp.save(..., v3=True)``).
         """
         _check_flags("optimizer.local_state_dict", cast_to_cpu=cast_to_cpu, gather_if_shard=gather_if_shard,
                      fp32_states_only=fp32_states_only)
         if fp32_states_only:
-            return local_fp16_state_dict(self)
-        sd = local_optimizer_state_dict(self, cast_to_cpu)
-        if dtype is not None:
-            sd.update(fp16_state(self, cast_to_cpu))
+            sd = local_fp16_state_dict(self)
+        else:
+            sd = local_optimizer_state_dict(self, cast_to_cpu)
+            if dtype is not None:
+                sd.update(fp16_state(self, cast_to_cpu))
+        if gather_if_shard and shards[0] is not None:
+            from .runtime.comm import RDP_GROUP, allgather
+
+            return merge_shards(allgather(sd, RDP_GROUP))
         return sd
 
     def state_dict(self: Any) -> dict[str, Any]:
         """Full optimizer state, gathered over the pipeline (call on every rank with dp_rank() == 0)."""
         ensure_built()
+        if shards[0] is not None:
+            raise SMPCheckpointError(
+                "optimizer.state_dict(): with shard_optimizer_state: True each rdp rank holds part of the optimizer "
+                "state, so there is no full state dict on one rank (as in SMP v1). Fix: save partial -- "
+                "smp.save_checkpoint(path, tag), or on every rank smp.save(optimizer.local_state_dict("
+                "gather_if_shard=False), f, partial=True, v3=True); optimizer.local_state_dict() called on every "
+                "rank gathers this stage's complete state")
         if not model.partitioned or st.cfg is None or st.cfg.pipeline_parallel_degree == 1:
             sd = _by_name(self, model, masters, only_local=False)
             if dtype is not None:
@@ -356,8 +405,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     def load_state_dict(self: Any, state_dict: dict[str, Any], gather_if_shard: bool = False) -> None:
         """Load a full or partial (``local_state_dict``) state dict; before partitioning it waits until after.
 
-        ``gather_if_shard`` (SMP v1: gather a sharded checkpoint first) has nothing to gather in smp,
-        whose saved optimizer parts are whole per rank; it is accepted for SMP v1 scripts.
+        A shard (``local_state_dict(gather_if_shard=False)``, marked ``_smp_shard``) loads on the rdp rank
+        that saved it when the sharding is the same; ``gather_if_shard=True`` (a collective over the RDP
+        group: call it on every rank, each with its own shard) joins the shards first, so it loads with
+        any sharding or none. A complete state dict loads anywhere (each rank takes what it steps).
         """
         _check_flags("optimizer.load_state_dict", gather_if_shard=gather_if_shard)
         if not isinstance(state_dict, dict):
@@ -368,6 +419,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         if not state_dict.get("_smp_by_name"):
             orig_load(state_dict)
             return
+        saved = state_dict.get(SHARD_KEY)
+        if saved is not None and gather_if_shard:
+            from .runtime.comm import RDP_GROUP, allgather
+
+            state_dict = merge_shards(allgather(state_dict, RDP_GROUP))
+        elif saved is not None:
+            here = {"rdp_rank": st.rank_map.coord(st.rank).rdp_rank, "rdp_size": st.rank_map.rdp_size} \
+                if sharding and st.rank_map is not None else None
+            if saved != here:
+                raise SMPCheckpointError(
+                    f"optimizer.load_state_dict: this state dict is the optimizer-state shard of rdp rank "
+                    f"{saved.get('rdp_rank')} of {saved.get('rdp_size')}, and this rank "
+                    + (f"steps the shard of rdp rank {here['rdp_rank']} of {here['rdp_size']}" if here else
+                       "keeps its whole state (shard_optimizer_state is off or rdp_size is 1)")
+                    + ". Fix: load with optimizer.load_state_dict(sd, gather_if_shard=True) on every rank, each "
+                      "with the shard it saved (smp.load finds it), or resume with smp.resume_from_checkpoint")
         later(apply, state_dict)
 
     def load_local_optimizer_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
@@ -432,6 +499,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     }
     if dtype is not None:
         methods.update(step=step, zero_grad=zero_grad)
+    elif sharding:
+        methods.update(step=sharded_step, zero_grad=sharded_zero_grad)
     for name, fn in methods.items():
         setattr(optimizer, name, types.MethodType(fn, optimizer))
     optimizer.orig_state_dict = orig_state_dict  # type: ignore[attr-defined]
@@ -443,6 +512,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     optimizer.overflow = False  # type: ignore[attr-defined]
     optimizer.master_weights = masters if dtype is not None else None  # type: ignore[attr-defined]
     optimizer.optimizer = optimizer  # type: ignore[attr-defined]
+    optimizer.state_shard = lambda: shards[0]  # type: ignore[attr-defined]
     from .checkpointing.saving import take_pending
 
     resumed = take_pending("optimizer")

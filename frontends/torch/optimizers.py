@@ -337,12 +337,18 @@ def _model_parallel() -> _Parallel | None:
     """This rank's MP and TP groups when smp runs the model on more than one rank per replica."""
     st = smp_state.current()
     rank_map = st.rank_map
-    if st.cfg is None or st.framework != "torch" or rank_map is None or rank_map.pp_size * rank_map.tp_size == 1:
+    if st.cfg is None or st.framework != "torch" or rank_map is None:
+        return None
+    sharded = bool(st.cfg.shard_optimizer_state) and rank_map.rdp_size > 1
+    if rank_map.pp_size * rank_map.tp_size == 1 and not sharded:
         return None
     from .runtime.init import runtime
 
     rt = runtime()
-    return _Parallel(rt.groups[GroupKind.MP], list(rt.group_ranks[GroupKind.MP]), rt.groups[GroupKind.TP],
+    # With sharded optimizer state each replica steps part of its stage's parameters (each one
+    # once over the RDP group), so the gradient norm is completed over the world instead.
+    norm_kind = GroupKind.WORLD if sharded else GroupKind.MP
+    return _Parallel(rt.groups[norm_kind], list(rt.group_ranks[norm_kind]), rt.groups[GroupKind.TP],
                      list(rt.group_ranks[GroupKind.TP]), rank_map.coord(st.rank).tp_rank)
 
 

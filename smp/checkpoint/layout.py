@@ -86,8 +86,9 @@ from smp.errors import SMPCheckpointError
 
 __all__ = [
     "NEWEST", "SMP_CONFIG", "USER_CONTENT", "check_tag", "commit_partial_checkpoint", "detect_rankinfo",
-    "full_model_path", "full_user_content_path", "partial_dir", "prepare_partial_checkpoint",
-    "read_full_checkpoint", "read_newest", "read_partial_checkpoint", "resolve_tag", "write_full_checkpoint",
+    "full_model_path", "full_user_content_path", "optimizer_shards", "partial_dir", "prepare_partial_checkpoint",
+    "read_full_checkpoint", "read_newest", "read_optimizer_shards", "read_partial_checkpoint", "resolve_tag",
+    "write_full_checkpoint",
     "write_partial_checkpoint",
 ]
 
@@ -400,6 +401,29 @@ def detect_rankinfo(path: str | os.PathLike[str], tag: str | None, pp_rank: int,
         f"{directory} has no model file for rankinfo {' or '.join(options)}; it has {_rankinfos_in(directory)}. "
         f"Fix: resume with the pipeline/tensor parallel degrees the checkpoint was saved with, or save a full "
         f"checkpoint (partial=False) to change the layout")
+
+
+def optimizer_shards(path: str | os.PathLike[str], tag: str | None, pp_rank: int, tp_rank: int) -> list[str]:
+    """The rankinfos ``pp_tp_rdp`` of the sharded optimizer files (``shard_optimizer_state``) saved for
+    (``pp_rank``, ``tp_rank``), by rdp rank; empty when that part's optimizer state was saved whole."""
+    path = os.fspath(path)
+    directory = _committed(path, resolve_tag(path, tag))
+    pattern = re.compile(rf"optimizer_{pp_rank}_{tp_rank}_(\d+)\.pt")
+    found = [m for m in map(pattern.fullmatch, os.listdir(directory) if os.path.isdir(directory) else []) if m]
+    return [rank_info(pp_rank, tp_rank, int(m.group(1))) for m in sorted(found, key=lambda m: int(m.group(1)))]
+
+
+def read_optimizer_shards(codec: Codec, path: str | os.PathLike[str], tag: str | None, rankinfos: Sequence[str],
+                          **load_kwargs: Any) -> list[Any]:
+    """The optimizer files of ``rankinfos`` (from `optimizer_shards`), each checked against the manifest."""
+    path = os.fspath(path)
+    tag = resolve_tag(path, tag)
+    directory = _committed(path, tag)
+    manifest = read_manifest(directory)
+    fix = _resume_fix(path, tag)
+    return [load_file(codec, os.path.join(directory, f"optimizer_{_check_rankinfo(r)}.pt"),
+                      f"optimizer state shard {r} of checkpoint {tag!r}", fix, manifest, **load_kwargs)
+            for r in rankinfos]
 
 
 def read_partial_checkpoint(

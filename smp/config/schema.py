@@ -121,8 +121,10 @@ KEYS: tuple[Key, ...] = (
         "effect on CPU ranks).", since="1.6", status="accepted"),
     Key("activation_loading_horizon", _INT, 4, "Activations waiting on the device when offloading.",
         low=1, since="1.6"),
-    Key("shard_optimizer_state", _BOOL, False, "Shard optimizer state over DP ranks (accepted; state is "
-        "kept whole in smp).", since="1.6", status="accepted"),
+    Key("shard_optimizer_state", _BOOL, False, "ZeRO-1: each parameter's optimizer state (and fp32 master "
+        "under fp16/bf16) lives on one rank of its RDP group, which steps it and broadcasts the result; "
+        "per-rank state ~1/rdp. Save partial (`save_checkpoint`, or `smp.save(..., v3=True)` on every rank).",
+        since="1.6"),
     Key("skip_tracing", _BOOL, False, "Skip the first-step trace; auto-partition uses module counts.",
         since="1.6"),
     Key("delayed_parameter_initialization", _BOOL, False, "Create parameters on the meta device and "

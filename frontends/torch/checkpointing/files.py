@@ -21,14 +21,15 @@ from smp.checkpoint.layout import (
     check_tag,
     commit_partial_checkpoint,
     detect_rankinfo,
+    optimizer_shards,
     prepare_partial_checkpoint,
     read_newest,
 )
 
 __all__ = [
     "CODEC", "NEWEST", "TorchCodec", "atomic_save", "check_tag", "commit_partial_checkpoint", "detect_rankinfo",
-    "load_file", "prepare_partial_checkpoint", "read_full_checkpoint", "read_newest", "read_partial_checkpoint",
-    "write_full_checkpoint", "write_partial_checkpoint",
+    "load_file", "optimizer_shards", "prepare_partial_checkpoint", "read_full_checkpoint", "read_newest",
+    "read_optimizer_shards", "read_partial_checkpoint", "write_full_checkpoint", "write_partial_checkpoint",
 ]
 
 
@@ -120,6 +121,13 @@ def read_partial_checkpoint(
     return layout.read_partial_checkpoint(
         CODEC, path, tag, rankinfo, optimizer_rankinfo=optimizer_rankinfo, load_optimizer=load_optimizer,
         map_location=map_location, weights_only=weights_only)
+
+
+def read_optimizer_shards(path: str | os.PathLike[str], tag: str | None, rankinfos: list[str], *,
+                          map_location: Any = "cpu", weights_only: bool = False) -> list[Any]:
+    """The sharded optimizer files of ``rankinfos`` (`smp.checkpoint.layout.read_optimizer_shards`)."""
+    return layout.read_optimizer_shards(CODEC, path, tag, rankinfos, map_location=map_location,
+                                        weights_only=weights_only)
 
 
 def write_full_checkpoint(path: str | os.PathLike[str], tag: str, model_state: Any,

@@ -21,7 +21,8 @@ import smp.state as smp_state
 from smp.checkpoint.names import find_partial, partial_name, rank_info
 from smp.errors import SMPCheckpointError
 
-from ..runtime.comm import WORLD, allgather, pp_rank, rank, rdp_rank, tp_rank
+from ..optimizer_shard import merge_shards
+from ..runtime.comm import WORLD, allgather, pp_rank, rank, rdp_rank, rdp_size, tp_rank
 from ..runtime.process_state import torch_state
 from . import files
 
@@ -68,6 +69,16 @@ def _agree(what: str, run: bool, fn: Callable[[], Any],
         detail = "".join(f"\n  rank {r}: {msg}" for r, msg in failed)
         raise SMPCheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}:{detail}")
     return value, [shared for _, shared in outcomes]
+
+
+def _shard_of(optimizer: Any) -> Any:
+    """The optimizer's `OptimizerShard` (``shard_optimizer_state``, after partitioning), or None."""
+    get = getattr(optimizer, "state_shard", None)
+    return get() if callable(get) else None
+
+
+def _sharded_now(st: Any) -> bool:
+    return bool(st.cfg is not None and st.cfg.shard_optimizer_state and rdp_size() > 1)
 
 
 def _note_save_state(e: BaseException, path: str, tag: str) -> None:
@@ -142,7 +153,10 @@ def _save_partial(what: str, path: str, tag: str, st: Any, model: Any, optimizer
     """The three phases of Note [checkpoint commit order], each followed by an agreement."""
     _, ids = _agree(what, rank() == 0, lambda: files.prepare_partial_checkpoint(path, tag), share=lambda sid: sid)
     save_id = ids[0]
-    writer = rdp_rank() == 0
+    # With sharded optimizer state (built at partitioning) every rank writes its shard of the
+    # optimizer (``optimizer_<pp>_<tp>_<rdp>.pt``, SMP v1's v3 names); the model still on rdp rank 0.
+    sharded = optimizer is not None and _shard_of(optimizer) is not None
+    writes_model = rdp_rank() == 0
     info = rank_info(pp_rank(), tp_rank())
 
     def write() -> Any:
@@ -151,16 +165,18 @@ def _save_partial(what: str, path: str, tag: str, st: Any, model: Any, optimizer
             # The partition decision travels with the checkpoint: a partial checkpoint only loads
             # into the same partition (SMP v1 reloads it and keeps it).
             cfg[PARTITION_KEY] = model.partition_assignment
-        optimizer_state = optimizer.local_state_dict() if optimizer is not None else None
-        return files.write_partial_checkpoint(path, tag, info, model.local_state_dict(), optimizer_state,
-                                              user_content, cfg, write_shared=rank() == 0,
-                                              smp_version=smp.__version__, save_id=save_id)
+        optimizer_state = optimizer.local_state_dict(gather_if_shard=False) if optimizer is not None else None
+        return files.write_partial_checkpoint(
+            path, tag, info, model.local_state_dict() if writes_model else None, optimizer_state, user_content, cfg,
+            write_shared=rank() == 0, smp_version=smp.__version__, save_id=save_id,
+            optimizer_rankinfo=rank_info(pp_rank(), tp_rank(), rdp_rank()) if sharded else None)
 
-    _, written = _agree(what, writer, write, share=lambda records: (info, records))
+    _, written = _agree(what, writes_model or sharded, write,
+                        share=lambda records: (info if writes_model else None, records))
 
     def commit() -> Any:
         records = {name: rec for part in written if part is not None for name, rec in part[1].items()}
-        infos = sorted({part[0] for part in written if part is not None})
+        infos = sorted({part[0] for part in written if part is not None and part[0] is not None})
         return files.commit_partial_checkpoint(path, tag, save_id, records, keep, expected_rankinfos=infos)
 
     _agree(what, rank() == 0, commit)
@@ -186,7 +202,18 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
 
     def read() -> dict[str, Any]:
         info = files.detect_rankinfo(path, tag, pp_rank(), tp_rank())
-        return files.read_partial_checkpoint(path, tag, info, load_optimizer=load_optimizer)
+        shards = files.optimizer_shards(path, tag, pp_rank(), tp_rank()) if load_optimizer else []
+        if not shards:
+            return files.read_partial_checkpoint(path, tag, info, load_optimizer=load_optimizer)
+        # Saved with sharded optimizer state: this rank's own shard when it steps the same one now,
+        # else every shard of its (pp, tp) part, joined (any sharding, or none, loads it).
+        own = rank_info(pp_rank(), tp_rank(), rdp_rank())
+        same = own in shards and _sharded_now(st) and len(shards) == rdp_size()
+        got = files.read_partial_checkpoint(path, tag, info, optimizer_rankinfo=own if same else shards[0],
+                                            load_optimizer=load_sharded_optimizer_state)
+        if load_sharded_optimizer_state and not same:
+            got["optimizer"] = merge_shards([got["optimizer"], *files.read_optimizer_shards(path, tag, shards[1:])])
+        return got
 
     got, saves = _agree(what, True, read, share=lambda got: got["save_id"])
     if len(set(saves)) > 1:

@@ -365,6 +365,11 @@ class DistributedModel(nn.Module):
             return
         if self._join is not None:
             raise SMPError("model.join() inside another model.join() block: use one block around the loop")
+        if self.cfg.shard_optimizer_state and len(runtime().group_ranks[GroupKind.RDP]) > 1:
+            raise SMPError("model.join() with shard_optimizer_state: True: a replica that ran out of batches would "
+                           "miss the optimizer steps of the parameters it owns, so the others would wait for them. "
+                           "Fix: give every replica the same number of batches (DistributedSampler(drop_last=True) "
+                           "over smp.dp_size() replicas), or turn shard_optimizer_state off")
         self._join = UnevenInputs(divide_by_initial_world_size, throw_on_early_termination)
         try:
             yield

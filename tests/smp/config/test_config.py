@@ -163,8 +163,9 @@ def test_bad_sources() -> None:
 
 
 def test_accepted_only_keys_are_logged() -> None:
-    cfg = resolve({"shard_optimizer_state": True, "deterministic_server": True}, environ={})
-    assert any("shard_optimizer_state" in n for n in cfg.notes)
+    cfg = resolve({"sdp_hierarchical_allgather": False, "shard_optimizer_state": True}, environ={})
+    assert any("sdp_hierarchical_allgather" in n for n in cfg.notes)
+    assert not any("shard_optimizer_state" in n for n in cfg.notes)  # it takes effect
 
 
 def test_config_is_read_only() -> None:
