@@ -32,12 +32,33 @@ from smp.errors import ConfigProblem, SMPInvalidArgumentError
 
 from .runtime.failure import wait
 
-__all__ = ["DYNAMIC_LOSS_DEFAULTS", "DynamicLossScaler", "GradScaler", "LossScaler", "any_rank",
+__all__ = ["DYNAMIC_LOSS_DEFAULTS", "DynamicLossScaler", "GradScaler", "LossScaler", "agreement_group", "any_rank",
            "make_loss_scaler"]
 
 
+def agreement_group() -> tuple[Any, Any] | None:
+    """(process group, its ranks) the optimizer's checks agree over: the world, or None for the default group.
+
+    Inside a ``model.join()`` block it is this replica's MP group instead: a replica that has run
+    out of batches waits in the join's DP-group collectives, not in these, and after the DP average
+    the replicas still training hold the same gradients, so their MP groups reach the same answer.
+    """
+    import smp.state as smp_state
+
+    model = smp_state.current().model
+    if model is None or getattr(model, "_join", None) is None:
+        return None
+    from smp.topology import GroupKind
+
+    from .runtime.init import runtime
+
+    rt = runtime()
+    return rt.groups[GroupKind.MP], rt.group_ranks[GroupKind.MP]
+
+
 def any_rank(local: torch.Tensor | float, what: str) -> bool:
-    """Whether ``local`` > 0 on any rank of the world (found an inf/NaN, say): a collective over the world.
+    """Whether ``local`` > 0 on any rank of the world (found an inf/NaN, say): a collective over the world
+    (over the MP group inside ``model.join()``: `agreement_group`).
 
     Every rank must call it at the same point (each ``optimizer.step()``); with one process it returns
     ``local > 0``. ``what`` names the wait in a timeout error.
@@ -45,7 +66,11 @@ def any_rank(local: torch.Tensor | float, what: str) -> bool:
     flag = torch.tensor([float(local)]) if not isinstance(local, torch.Tensor) else \
         local.detach().float().reshape(1).cpu().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), what, "world")
+        group = agreement_group()
+        if group is None:
+            wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), what, "world")
+        elif len(group[1]) > 1:
+            wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group[0], async_op=True), what, group[1])
     return bool(flag.item() > 0)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,22 +153,28 @@ def global_grad_norm(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], norm_ty
     each counted once already. A collective over the world; with one process it is torch's
     ``clip_grad_norm_`` norm.
     """
+    from .amp import agreement_group
     from .runtime.comm import rdp_size, tp_rank
 
     initialized = dist.is_initialized() and dist.get_world_size() > 1
+    # Inside model.join() the norm is this replica's (over its MP group; the replicas hold the same
+    # gradients): a replica out of batches is waiting in the join's collectives.
+    group = agreement_group() if initialized and not sharded else None
+    kwargs: dict[str, Any] = {"group": group[0]} if group is not None else {}
+    ranks: Any = group[1] if group is not None else "world"
     first_tp = not initialized or tp_rank() == 0
     grads = [m.grad for p, m in pairs if m.grad is not None and (first_tp or is_tp_sharded(p))]
     if math.isinf(norm_type):
         local = max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
         total = torch.tensor([local], dtype=torch.float64)
         if initialized:
-            wait(dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True), "clip_master_grads norm", "world")
+            wait(dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True, **kwargs), "clip_master_grads norm", ranks)
         return float(total.item())
     local_sum = sum((torch.linalg.vector_norm(g.detach(), norm_type).double().cpu() ** norm_type for g in grads),
                     torch.zeros((), dtype=torch.float64))
     total = local_sum.reshape(1)
     if initialized:
-        wait(dist.all_reduce(total, async_op=True), "clip_master_grads norm", "world")
-        if not sharded:
+        wait(dist.all_reduce(total, async_op=True, **kwargs), "clip_master_grads norm", ranks)
+        if not sharded and group is None:
             total /= rdp_size()
     return float(total.item()) ** (1.0 / norm_type)

@@ -379,6 +379,9 @@ class DistributedModel(nn.Module):
                     "here. Fix: give every replica at least one batch")
             last = self._join.drain(self._shadow_step)
             self._join.sync_final(last, [*self.local_parameters(), *self.local_buffers()])
+            optimizer = smp_state.current().optimizer
+            if getattr(optimizer, "master_weights", None) is not None:
+                optimizer.reload_model_params()  # fp16/bf16: the masters take the weights every replica now has
         finally:
             self._join = None
 

@@ -39,16 +39,17 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(divide: bool, norm: bool, throw: bool = False, cfg: dict[str, Any] = DP3,
-           counts: list[int] = COUNTS) -> dict[str, Any]:
+           counts: list[int] = COUNTS, fp16: bool = False) -> dict[str, Any]:
     import smp.torch as smp
 
-    smp.init(cfg)
+    smp.init({**cfg, "fp16": fp16})
     torch.manual_seed(0)
     net = Net(norm)
     model = smp.DistributedModel(net)
     if cfg["pipeline_parallel_degree"] > 1:
         smp.set_partition(net.tail, 1)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   **({"static_loss_scale": 128.0} if fp16 else {}))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -63,10 +64,15 @@ def _train(divide: bool, norm: bool, throw: bool = False, cfg: dict[str, Any] = 
             for step in range(counts[smp.dp_rank()]):
                 opt.zero_grad()
                 losses.append(train_step(model, *_data(step, smp.dp_rank())).reduce_mean().item())
+                if fp16:
+                    opt.clip_master_grads(1e3)  # a collective of the replicas still training
                 opt.step()
     except smp.exceptions.SMPError as e:
         error = f"{type(e).__name__}: {e}"
+    masters = opt.master_weights.masters if fp16 else {}
     out = {"losses": losses, "error": error,
+           "masters_hold_the_model": all(torch.equal(masters[id(p)].to(p.dtype), p) for p in model.local_parameters()
+                                         if fp16),
            "params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
            "buffers": {n: b.detach().clone() for n, b in model.local_named_buffers()}}
     smp.reset()
@@ -199,3 +205,23 @@ def test_join_with_two_pipeline_stages_per_replica() -> None:
         for value in values:
             torch.testing.assert_close(value, expected, msg=name)
 
+
+
+def _fp16() -> dict[str, Any]:
+    return _train(divide=True, norm=False, cfg={**DP3, "comm_timeout": 20.0}, counts=[2, 3], fp16=True)
+
+
+def test_join_with_fp16_masters_and_clip_master_grads() -> None:
+    """The overflow check and the clip norm agree over the MP group inside the block (a replica out of
+    batches waits in the join's collectives: over the world they waited for it until the timeout), and
+    after the block the fp32 masters take the weights of the replica that trained longest."""
+    ref = _reference(divide=True, norm=False, counts=[2, 3])
+    outs = run_ranks(_fp16, 2, timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["error"] is None, out["error"]
+        assert out["masters_hold_the_model"], rank
+        torch.testing.assert_close(out["losses"], ref["losses"][rank], rtol=1e-2, atol=1e-3)
+        for p, value in out["params"].items():
+            assert value.dtype == torch.float16
+            torch.testing.assert_close(value.float(), ref["params"][p].detach(), rtol=1e-2, atol=1e-3, msg=p)
+    assert all(torch.equal(outs[0]["params"][p], outs[1]["params"][p]) for p in outs[0]["params"])
