@@ -7,7 +7,8 @@
 - `state_dict`: local and full state dicts, ``cpu()``, ``save_pretrained`` (one full-state gather);
 - `delayed`: ``smp.delay_param_initialization`` (meta parameters, materialised after partitioning);
 - `creation`: ``smp.model_creation`` (tensor parallelism, delayed init and dtype in one context);
-- `recompute`: ``smp.set_activation_checkpointing``.
+- `recompute`: ``smp.set_activation_checkpointing``;
+- `offload`: ``offload_activations`` (checkpointed calls' inputs in host memory, prefetched for backward).
 """
 
 from .model import DistributedModel

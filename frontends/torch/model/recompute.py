@@ -2,21 +2,45 @@
 
 The module's activations are not kept between forward and backward; only its inputs are, and its
 forward runs again when backward reaches it (``torch.utils.checkpoint``, non-reentrant). On a
-pipeline this happens on the rank that owns the module, inside the backward request.
+pipeline this happens on the rank that owns the module, inside the backward request. With
+``offload_activations`` the kept inputs wait in host memory until backward needs them (offload.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import smp.state as smp_state
 
 from ..errors import DistributedModelNotWrappedError
+from . import offload
 
 STRATEGIES = ("each", "contiguous")
+
+
+def checkpointed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 preserve_rng_state: bool) -> Any:
+    """``fn(*args, **kwargs)``, its activations recomputed in backward (and its inputs offloaded when configured).
+
+    Keyword arguments reach ``checkpoint`` as positional ones, so it keeps them as saved tensors, as
+    it keeps the positional ones (and the offload hooks see them), rather than in a closure.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    names = tuple(kwargs)
+    split = len(args)
+
+    def call(*flat: Any) -> Any:
+        return fn(*flat[:split], **dict(zip(names, flat[split:])))
+
+    with offload.saved_inputs():
+        return torch_checkpoint.checkpoint(call, *args, *kwargs.values(), use_reentrant=False,
+                                           preserve_rng_state=preserve_rng_state)
 
 
 def _wrap(module: nn.Module, preserve_rng_state: bool) -> None:
@@ -25,12 +49,7 @@ def _wrap(module: nn.Module, preserve_rng_state: bool) -> None:
     inner = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                                           **kwargs)
+        return checkpointed(inner, args, kwargs, preserve_rng_state)
 
     module.forward = forward  # type: ignore[method-assign]
     module._smp_checkpointed = True  # type: ignore[assignment]

@@ -2,7 +2,8 @@
 
 The module's forward is recomputed during backward (``torch.utils.checkpoint``, non-reentrant);
 the whole module must sit on one pipeline rank, as in SMP v1. For a model you cannot edit, use
-``smp.set_activation_checkpointing(module)`` instead.
+``smp.set_activation_checkpointing(module)`` instead. With ``offload_activations`` the inputs kept
+for the recomputation wait in host memory (smp.torch.model.offload).
 
 Example:
     >>> h = smp.checkpoint(self.block, h)                       # inside a forward
@@ -13,18 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+
+from ..model.recompute import checkpointed
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:
     """Call ``module(*args)``, recomputing it in backward instead of keeping its activations."""
     if not isinstance(module, nn.Module):
         raise TypeError("smp.checkpoint checkpoints a module call (SMP v1): pass an nn.Module, not a function")
-    if not torch.is_grad_enabled():
-        return module(*args)
-    return torch_checkpoint.checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    return checkpointed(module, args, {}, preserve_rng_state)
 
 
 def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy: str = "each",  # noqa: A002

@@ -3,10 +3,11 @@
 What a script sets up in this process for its next model lives in `TorchState`: checkpoint state
 that ``resume_from_checkpoint`` read before the model existed, the open ``smp.partition`` /
 ``delay_param_initialization`` / ``tensor_parallelism`` contexts, ``set_partition`` calls, the TP
-RNG tracker, and the class patches the open contexts installed. It hangs on the core state
-(``smp.state.current().frontend``), so ``smp.reset()`` (`smp.state.reset`) drops all of it at
-once, and closes it: closing undoes the patches of contexts a script left open. A context that is
-left after a reset pops its own (old, detached) state and touches nothing of the new one.
+RNG tracker, the activation offloader, and the class patches the open contexts installed. It hangs
+on the core state (``smp.state.current().frontend``), so ``smp.reset()`` (`smp.state.reset`) drops
+all of it at once, and closes it: closing undoes the patches of contexts a script left open. A
+context that is left after a reset pops its own (old, detached) state and touches nothing of the new
+one.
 
 What outlives a reset on purpose is `KEPT`, each field with its reason. Read-only caches stay in
 their modules (the Transformer Engine import in ``nn/te_backend.py``, log-once sets): they hold
@@ -64,6 +65,8 @@ class TorchState:
         tp_contexts: the open ``tensor_parallelism`` contexts: (enabled, overrides).
         rng_tracker: the TP-region `RNGStatesTracker`, made by ``nn/rng.py`` on first use (typed
             ``Any`` because this leaf module imports no other frontend module).
+        offloader: the activation `Offloader` (``model/offload.py``), made at the first checkpointed
+            call when ``offload_activations`` is on (``Any``, as ``rng_tracker``).
     """
 
     pending: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class TorchState:
     delayed_contexts: list[tuple[bool, WeakIdKeyDictionary]] = field(default_factory=list)
     tp_contexts: list[tuple[bool, dict[str, Any]]] = field(default_factory=list)
     rng_tracker: Any = None
+    offloader: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _patches: list[_Patch] = field(default_factory=list, repr=False)
 

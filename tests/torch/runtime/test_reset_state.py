@@ -36,6 +36,7 @@ def _set(ts: object) -> list[str]:
 
 def test_smp_state_reset_leaves_a_fresh_torch_state_and_undoes_open_contexts() -> None:
     import smp.torch as smp
+    from smp.torch.model.offload import Offloader
     from smp.torch.nn import seed_tensor_parallel
     from smp.torch.runtime import failure
     from smp.torch.runtime.process_state import TorchState, torch_state
@@ -52,6 +53,7 @@ def test_smp_state_reset_leaves_a_fresh_torch_state_and_undoes_open_contexts() -
     smp.set_partition(made, 0)
     old.pending["model"] = ({}, True)  # what resume_from_checkpoint leaves when no model exists yet
     seed_tensor_parallel(1234)
+    old.offloader = Offloader(4, None)  # what the first checkpointed call makes under offload_activations
     channel = failure.FailureChannel(None, 0, 1.0)
     failure.set_channel(channel)
     before = sys.excepthook
