@@ -37,10 +37,9 @@ LAYOUTS = [  # (name, world size, extra config)
 
 
 def _run(cfg: dict[str, Any], layers: int, hidden: int, steps: int) -> dict[str, Any]:
+    import smp.torch as smp
     import torch
     import transformers
-
-    import smp.torch as smp
     from smp.torch.optimizer_shard import optimizer_state_bytes
 
     out: dict[str, Any] = {}

@@ -7,7 +7,8 @@ pipeline_parallel_degree 2 (``--tp``, ``--pp``), the GPT-2 built from config ins
 ``smp.model_creation(tensor_parallelism=True, dtype=...)`` with delayed parameter initialisation,
 so smp gives it SMP v1's structure (``transformer.seq_layers``, docs/huggingface.md); every layer
 checkpointed with ``smp.set_activation_checkpointing``; AdamW with SMP v1's weight-decay groups
-inside ``smp.DistributedOptimizer`` with dynamic loss scaling under ``--fp16``;
+inside ``smp.DistributedOptimizer`` with dynamic loss scaling under ``--fp16``, its state sharded
+over the DP replicas with ``--shard-optimizer-state 1``;
 ``optimizer.clip_master_grads``; the LR scheduler steps only when the optimizer did (no overflow);
 ``smp.save_checkpoint`` every ``--save-every`` steps (partial) and ``smp.resume_from_checkpoint``
 with ``--resume``; at the end the full model translated to Hugging Face names with
@@ -59,6 +60,8 @@ def main() -> None:
                         help="SMP v1's structure (transformer.seq_layers) also at tp=1")
     parser.add_argument("--fp16", type=int, default=0)
     parser.add_argument("--init-scale", type=float, default=2.0**12, help="initial dynamic loss scale (fp16)")
+    parser.add_argument("--shard-optimizer-state", type=int, default=0,
+                        help="ZeRO-1: each DP replica keeps and steps 1/rdp of the optimizer state")
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dropout", type=float, default=0.0, help="GPT-2's three dropouts (0: a resume repeats "
@@ -71,6 +74,7 @@ def main() -> None:
 
     smp.init({"tensor_parallel_degree": args.tp, "pipeline_parallel_degree": args.pp,
               "microbatches": args.microbatches, "ddp": True, "fp16": bool(args.fp16),
+              "shard_optimizer_state": bool(args.shard_optimizer_state),
               "delayed_parameter_initialization": True, "random_seed": 12345, "auto_partition": False,
               "default_partition": 0, "placement_strategy": "cluster"})
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=args.layers, n_head=4,

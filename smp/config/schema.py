@@ -117,10 +117,13 @@ KEYS: tuple[Key, ...] = (
     Key("sdp_gradient_clipping", _FLOAT, 1.0, "SDP: L2 clip inside `optimizer.step()`.", low=0.0,
         since="1.11", status="accepted"),
     # --- memory features ----------------------------------------------------------------------
-    Key("offload_activations", _BOOL, False, "Offload checkpointed activations to CPU (accepted; no "
-        "effect on CPU ranks).", since="1.6", status="accepted"),
-    Key("activation_loading_horizon", _INT, 4, "Activations waiting on the device when offloading.",
-        low=1, since="1.6"),
+    Key("offload_activations", _BOOL, False, "With activation checkpointing: the inputs each checkpointed "
+        "module keeps for its recomputation are copied to pinned host memory during forward (asynchronously, on a "
+        "side stream) and loaded back to the device ahead of backward, per microbatch. Only inputs that require "
+        "grad move (masks and ids stay). On CPU ranks there is nothing to offload (logged once).", since="1.6"),
+    Key("activation_loading_horizon", _INT, 4, "With `offload_activations`: the most checkpointed calls' inputs "
+        "loaded back ahead of backward and waiting on the device at once, per rank (the call backward is using is "
+        "not counted). Smaller saves device memory; larger hides more copy time.", low=1, since="1.6"),
     Key("shard_optimizer_state", _BOOL, False, "ZeRO-1: each parameter's optimizer state (and fp32 master "
         "under fp16/bf16) lives on one rank of its RDP group, which steps it and broadcasts the result; "
         "per-rank state ~1/rdp. Save partial (`save_checkpoint`, or `smp.save(..., v3=True)` on every rank).",

@@ -175,7 +175,7 @@ def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_p
     structure (transformer.seq_layers) with every layer checkpointed, fp16 with dynamic loss scaling and
     clip_master_grads. A run resumed from its step-4 checkpoint repeats the uninterrupted run's losses
     exactly on every rank; the translated full model loads into plain transformers; at tp=1 x pp=2 x dp=2
-    the script (which reads seq_layers) runs too."""
+    the script (which reads seq_layers) runs too, with fp16 and sharded optimizer state."""
     import transformers
 
     ckpt = str(tmp_path / "ckpt")
@@ -198,7 +198,11 @@ def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_p
     with torch.no_grad():
         assert plain(input_ids=ids, labels=ids).loss.item() < losses[0] - 0.1, "the export holds the trained weights"
 
-    tp1 = _torchrun("examples/train_gpt_simple.py", "--tp", "1", "--steps", "3", "--checkpoint-dir",
-                    str(tmp_path / "tp1"))
+    tp1 = _torchrun("examples/train_gpt_simple.py", "--tp", "1", "--steps", "4", "--checkpoint-dir",
+                    str(tmp_path / "tp1"), "--fp16", "1", "--shard-optimizer-state", "1", "--save-every", "3")
     assert "transformer.seq_layers.2-3 (2)" in tp1.stdout + tp1.stderr
     assert os.path.exists(tmp_path / "tp1" / "hf_gpt2.pt")
+    # pp=2 x dp=2 with sharded optimizer state: one optimizer file per (stage, replica), SMP v1's v3 names.
+    saved = sorted(os.listdir(tmp_path / "tp1" / "step_3_partial"))
+    assert [f for f in saved if f.startswith("optimizer_")] == [f"optimizer_{pp}_0_{rdp}.pt" for pp in (0, 1)
+                                                                for rdp in (0, 1)], saved
