@@ -136,8 +136,9 @@ def _reference(precision: str, dp: int, steps: int, scaler: LossScaler, clip: fl
                poison_step: int | None, skip: set[int] | None = None) -> dict[str, Any]:
     """One process, plain torch: a 16-bit model, fp32 masters, the scaled loss, smp's order of sums.
 
-    Each replica sums its microbatches' 16-bit gradients and halves the sum, the replicas' results
-    are summed and divided by their number (what the DP allreduce does), then master grads = that / scale.
+    Each replica halves each microbatch's 16-bit gradients and sums them (SMP v1's order: the mean
+    never overflows where the microbatches do not), the replicas' results are summed and divided by
+    their number (what the DP allreduce does), then master grads = that / scale.
     ``skip`` forces steps to be skipped (the float32 run that skips the steps a 16-bit run skipped).
     """
     dtype = DTYPES[precision]
@@ -154,10 +155,16 @@ def _reference(precision: str, dp: int, steps: int, scaler: LossScaler, clip: fl
             x, y = _data(step, r)
             mb = [F.mse_loss(net(xm.to(dtype)).float(), ym) for xm, ym in zip(x.chunk(MICROBATCHES),
                                                                              y.chunk(MICROBATCHES))]
+            grads = None
             for loss in mb:
-                (loss * scaler.loss_scale if precision == "fp16" else loss).backward()
+                parts = torch.autograd.grad(loss * scaler.loss_scale if precision == "fp16" else loss,
+                                            list(net.parameters()))
+                halves = [g / MICROBATCHES for g in parts] if precision != "fp32" else list(parts)
+                grads = halves if grads is None else [a + b for a, b in zip(grads, halves)]
+            assert grads is not None
+            if precision == "fp32":  # float32 gradients: the step's sum, divided once
+                grads = [g / MICROBATCHES for g in grads]
             losses[r].append(float(sum(mb).detach() / MICROBATCHES))
-            grads = [p.grad / MICROBATCHES for p in net.parameters()]
             summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
         assert summed is not None
         grads = [g / dp for g in summed] if dp > 1 else summed

@@ -22,6 +22,7 @@ from ..runtime.init import runtime
 __all__ = ["MicrobatchAverage", "broadcast_from_dp0", "sync_gradients"]
 
 Groups = tuple[tuple[Any, list[int]], tuple[Any, list[int]]]
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _reduction_groups() -> Groups:
@@ -48,7 +49,7 @@ class MicrobatchAverage:
     division (and a new tensor) per parameter per microbatch. A parameter that already holds a
     gradient (``backward_passes_per_step``, or a script accumulating over steps without
     ``zero_grad``) must not have that divided too: its microbatch gradients are divided as autograd
-    produces them. Parameters frozen at partition time are left alone (torch refuses hooks on
+    produces them, and so are 16-bit ones (``fp16``/``bf16``: the sum may overflow where the mean fits). Parameters frozen at partition time are left alone (torch refuses hooks on
     them); one unfrozen later accumulates sums. Inside the step body, after ``model.backward``, a
     gradient of the first kind is still the sum.
     """
@@ -76,7 +77,10 @@ class MicrobatchAverage:
         if not self.params or not self.enabled():
             return
         for p in self.params:
-            if p.grad is None:
+            # A 16-bit gradient is divided as it comes (SMP v1's order): the sum of the step's
+            # microbatches can overflow float16 where their mean does not (a static loss scale that
+            # fits the mean would then skip every step).
+            if p.grad is None and p.dtype not in _HALF:
                 self._at_end.append(p)
             else:
                 self._as_made.add(id(p))
