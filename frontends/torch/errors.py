@@ -16,7 +16,9 @@ __all__ = [
     "LaunchError",
     "ModelNotPartitionedError",
     "MultipleDistributedModelError",
+    "OptimizerArgumentError",
     "StepFunctionCalledError",
+    "UnevenInputsError",
 ]
 
 
@@ -50,3 +52,11 @@ class ModelNotPartitionedError(SMPError, RuntimeError):
 
 class MultipleDistributedModelError(SMPError, RuntimeError):
     """A second DistributedModel in one process."""
+
+
+class UnevenInputsError(SMPError, RuntimeError):
+    """``model.join(throw_on_early_termination=True)`` saw a replica run out of batches."""
+
+
+class OptimizerArgumentError(SMPError, ValueError):
+    """An apex optimizer argument smp cannot honour, or one outside its range."""

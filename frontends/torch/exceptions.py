@@ -24,7 +24,9 @@ from .errors import (
     LaunchError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
+    OptimizerArgumentError,
     StepFunctionCalledError,
+    UnevenInputsError,
 )
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "FwdExecutionNotInStepFnError",
     "ModelNotPartitionedError",
     "MultipleDistributedModelError",
+    "OptimizerArgumentError",
+    "UnevenInputsError",
     "SMPCheckpointError",
     "StepFunctionCalledError",
     "StepOutputError",

@@ -123,7 +123,7 @@ def _loss_scaling(static_loss_scale: float | None, dynamic_loss_scale: bool,
     scaler = make_loss_scaler(static_loss_scale, dynamic_loss_scale, args)  # validates in every precision
     if dtype is torch.float16:
         return scaler
-    if dynamic_loss_scale or (static_loss_scale not in (None, 1.0)):
+    if (dynamic_loss_scale or (static_loss_scale not in (None, 1.0))) and smp_state.current().rank == 0:
         logger.info("smp.DistributedOptimizer: the loss-scaling arguments take effect with fp16: True only "
                     "(%s); the loss is not scaled", "bf16 has float32's exponent range" if dtype is not None
                     else "float32 training")
@@ -345,6 +345,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
                 "smp.save_checkpoint(path, tag), or on every rank smp.save(optimizer.local_state_dict("
                 "gather_if_shard=False), f, partial=True, v3=True); optimizer.local_state_dict() called on every "
                 "rank gathers this stage's complete state")
+        if st.rank_map is not None and st.rank_map.tp_size > 1:
+            raise SMPCheckpointError(
+                "optimizer.state_dict(): under tensor parallelism each TP rank holds the optimizer state of its own "
+                "parameter shards, which one full state dict cannot hold under the parameters' names (as in SMP v1, "
+                "a full optimizer state dict is unsupported with TP). Fix: save partial -- smp.save_checkpoint(path, "
+                "tag), or smp.save(optimizer.local_state_dict(), f, partial=True) on every rank with rdp_rank() == 0")
         if not model.partitioned or st.cfg is None or st.cfg.pipeline_parallel_degree == 1:
             sd = _by_name(self, model, masters, only_local=False)
             if dtype is not None:

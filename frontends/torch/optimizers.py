@@ -23,16 +23,12 @@ from torch.optim.optimizer import ParamsT
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 import smp.state as smp_state
-from smp.errors import SMPError
 from smp.topology import GroupKind
 
+from .errors import OptimizerArgumentError
 from .nn.params import is_tp_sharded
 
 __all__ = ["FusedAdam", "FusedLAMB", "FusedLamb", "OptimizerArgumentError"]
-
-
-class OptimizerArgumentError(SMPError, ValueError):
-    """An apex optimizer argument smp cannot honour, or one outside its range."""
 
 
 def _check_common(name: str, lr: Any, betas: Any, eps: float, weight_decay: float) -> None:

@@ -26,19 +26,15 @@ import torch
 import torch.distributed as dist
 
 import smp.state as smp_state
-from smp.errors import SMPError
 from smp.topology import GroupKind
 
+from ..errors import UnevenInputsError
 from ..nn.params import is_tp_sharded
 from ..runtime.failure import wait
 from ..runtime.init import runtime
 from . import data_parallel
 
 __all__ = ["UnevenInputs", "UnevenInputsError"]
-
-
-class UnevenInputsError(SMPError, RuntimeError):
-    """``model.join(throw_on_early_termination=True)`` saw a replica run out of batches."""
 
 
 class UnevenInputs:
