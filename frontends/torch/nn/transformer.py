@@ -8,6 +8,16 @@
 
 `DistributedTransformerLayer` = self-attention, optional cross-attention, then the output layer.
 `DistributedTransformer` runs ``num_layers`` of them in sequence.
+
+With ``parallel_attn_output=True`` (SMP v1's name; GPT-J, GPT-NeoX) a layer sums both branches
+onto one residual instead::
+
+    out = x + Attn(LN_a(x)) + MLP(LN_m(x))          pre_layernorm: each branch its own LayerNorm (GPT-NeoX)
+    out = x + Attn(LN(x))   + MLP(LN(x))            single_pre_layernorm: one LayerNorm, the layer's (GPT-J)
+
+The rotary and bias options of `DistributedAttentionLayer` (``rotary_dim``, ``rotary_emb_base``,
+``gpt_neox_type_rotary``, ``use_qkv_bias``, ``use_attn_dense_bias``) pass through the layer and the
+stack. All these options are keyword-only and off by default.
 """
 
 from __future__ import annotations
@@ -41,6 +51,26 @@ def _activation(name: str) -> Any:
     return ACTIVATIONS[name]
 
 
+def _check_layer_options(pre_layernorm: bool, post_layernorm: bool, parallel_attn_output: bool,
+                         single_pre_layernorm: bool, add_cross_attention: bool) -> None:
+    problems = []
+    if single_pre_layernorm and pre_layernorm:
+        problems.append("single_pre_layernorm=True with pre_layernorm=True (as in SMP v1, one or the other)")
+    if single_pre_layernorm and not parallel_attn_output:
+        problems.append("single_pre_layernorm=True needs parallel_attn_output=True (GPT-J's layer)")
+    if parallel_attn_output and add_cross_attention:
+        problems.append("parallel_attn_output=True with add_cross_attention=True")
+    if parallel_attn_output and not (pre_layernorm or single_pre_layernorm):
+        problems.append("parallel_attn_output=True needs pre_layernorm=True (GPT-NeoX) or "
+                        "single_pre_layernorm=True (GPT-J)")
+    if problems:
+        raise ValueError("DistributedTransformerLayer options do not fit together:\n" +
+                         "\n".join(f"  - {p}" for p in problems) +
+                         "\nFix: GPT-J: single_pre_layernorm=True, parallel_attn_output=True, pre_layernorm=False, "
+                         "post_layernorm=False; GPT-NeoX: pre_layernorm=True, parallel_attn_output=True, "
+                         "post_layernorm=False")
+
+
 class DistributedTransformerOutputLayer(DistributedModule):
     """The transformer MLP H -> I -> H with residual and LayerNorm; SMP v1 signature, global sizes.
 
@@ -53,9 +83,11 @@ class DistributedTransformerOutputLayer(DistributedModule):
     def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096, hidden_dropout_prob: float = 0.1,
                  activation: str = "gelu", layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
-                 fp32_residual_addition: bool = False, process_group: Any = None) -> None:
+                 fp32_residual_addition: bool = False, process_group: Any = None, *,
+                 parallel_attn_output: bool = False) -> None:
         super().__init__(process_group)
-        _check_layernorms(pre_layernorm, post_layernorm)
+        _check_layernorms(pre_layernorm, post_layernorm, parallel_attn_output)
+        self.parallel_attn_output = parallel_attn_output
         divide(intermediate_size, self.tp, "intermediate_size")
         self.act = _activation(activation)
         self.fp32_residual_addition = fp32_residual_addition
@@ -72,6 +104,8 @@ class DistributedTransformerOutputLayer(DistributedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pre_layernorm(x) if self.pre_layernorm is not None else x
         y = self.dropout(self.dense2(self.act(self.dense1(h))))
+        if self.parallel_attn_output:
+            return y  # a branch of the parallel residual: the layer adds x
         out = (y.float() + x.float()).to(x.dtype) if self.fp32_residual_addition else y + x
         return self.layernorm(out) if self.layernorm is not None else out
 
@@ -95,28 +129,43 @@ class DistributedTransformerLayer(DistributedModule):
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu", layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, process_group: Any = None) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, process_group: Any = None, *,
+                 rotary_dim: int | None = None, rotary_emb_base: float | None = None,
+                 gpt_neox_type_rotary: bool = False, parallel_attn_output: bool = False,
+                 use_qkv_bias: bool = True, use_attn_dense_bias: bool = True,
+                 single_pre_layernorm: bool = False) -> None:
         super().__init__(process_group)
+        _check_layer_options(pre_layernorm, post_layernorm, parallel_attn_output, single_pre_layernorm,
+                             add_cross_attention)
         common = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
                   "hidden_size": hidden_size, "attention_dropout_prob": attention_dropout_prob,
                   "hidden_dropout_prob": hidden_dropout_prob, "layernorm_epsilon": layernorm_epsilon,
                   "initializer_range": initializer_range, "use_normal_initialization": use_normal_initialization,
-                  "pre_layernorm": pre_layernorm, "post_layernorm": post_layernorm, "process_group": self.group}
-        self.add_cross_attention = add_cross_attention
-        self.attention = DistributedAttentionLayer(causal_mask_size=causal_mask_size, **common)
+                  "pre_layernorm": pre_layernorm, "post_layernorm": post_layernorm, "process_group": self.group,
+                  "use_qkv_bias": use_qkv_bias, "use_attn_dense_bias": use_attn_dense_bias}
+        self.add_cross_attention, self.parallel_attn_output = add_cross_attention, parallel_attn_output
+        # SMP v1's single_pre_layernorm: the one LayerNorm both branches read (GPT-J's ln_1)
+        self.pre_layernorm = (DistributedLayerNorm(hidden_size, eps=layernorm_epsilon) if single_pre_layernorm
+                              else None)
+        self.attention = DistributedAttentionLayer(
+            causal_mask_size=causal_mask_size, rotary_dim=rotary_dim, rotary_emb_base=rotary_emb_base,
+            gpt_neox_type_rotary=gpt_neox_type_rotary, parallel_attn_output=parallel_attn_output, **common)
         self.cross_attention = (DistributedAttentionLayer(cross_attention=True, **common)
                                 if add_cross_attention else None)
         self.output = DistributedTransformerOutputLayer(
             hidden_size=hidden_size, intermediate_size=intermediate_size, hidden_dropout_prob=hidden_dropout_prob,
             activation=activation, layernorm_epsilon=layernorm_epsilon, initializer_range=initializer_range,
             use_normal_initialization=use_normal_initialization, pre_layernorm=pre_layernorm,
-            post_layernorm=post_layernorm, process_group=self.group)
+            post_layernorm=post_layernorm, process_group=self.group, parallel_attn_output=parallel_attn_output)
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.add_cross_attention:
             hidden, cross_states, mask, cross_mask = inputs
         else:
             hidden, mask = inputs
+        if self.parallel_attn_output:
+            h = self.pre_layernorm(hidden) if self.pre_layernorm is not None else hidden
+            return (self.attention((h, mask)) + self.output(h) + hidden, mask)
         hidden = self.attention((hidden, mask))
         if self.cross_attention is not None:
             hidden = self.cross_attention((hidden, cross_states, cross_mask))
@@ -142,7 +191,11 @@ class DistributedTransformer(DistributedModule):
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu", layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, process_group: Any = None) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, process_group: Any = None, *,
+                 rotary_dim: int | None = None, rotary_emb_base: float | None = None,
+                 gpt_neox_type_rotary: bool = False, parallel_attn_output: bool = False,
+                 use_qkv_bias: bool = True, use_attn_dense_bias: bool = True,
+                 single_pre_layernorm: bool = False) -> None:
         super().__init__(process_group)
         both = pre_layernorm and post_layernorm
         self.input_layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon) if both else None
@@ -153,7 +206,10 @@ class DistributedTransformer(DistributedModule):
             activation=activation, layernorm_epsilon=layernorm_epsilon, initializer_range=initializer_range,
             use_normal_initialization=use_normal_initialization, causal_mask_size=causal_mask_size,
             add_cross_attention=add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
-            process_group=self.group) for _ in range(num_layers))
+            process_group=self.group, rotary_dim=rotary_dim, rotary_emb_base=rotary_emb_base,
+            gpt_neox_type_rotary=gpt_neox_type_rotary, parallel_attn_output=parallel_attn_output,
+            use_qkv_bias=use_qkv_bias, use_attn_dense_bias=use_attn_dense_bias,
+            single_pre_layernorm=single_pre_layernorm) for _ in range(num_layers))
         self.output_layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon) if both else None
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

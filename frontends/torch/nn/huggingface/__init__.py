@@ -3,7 +3,8 @@
 One module per family, with SMP v1's names: `gpt2` (``GPT2LMHeadModel`` ->
 `DistributedTransformerLMHead`, and ``GPT2Block`` -> `DistributedTransformerLayer` through layer
 hooks), `bert` and `roberta` (the encoder -> `DistributedTransformer`), `gptj` and `gptneox`
-(translate functions only: their hook getters raise, naming what smp's layers lack). Each has
+(``GPTJForCausalLM`` / ``GPTNeoXForCausalLM`` -> `DistributedTransformerLMHead` with rotary
+embeddings and the parallel residual, through SMP v1's hooks when registered). Each has
 ``translate_hf_state_dict_to_smdistributed_<family>(state_dict)``,
 ``translate_state_dict_to_hf_<family>(state_dict, max_seq_len=None)`` and the hook getters.
 `translate_hf_state_dict_to_smdistributed` / `translate_state_dict_to_hf` pick the family from

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-J in SMP v1's names: the translate functions (exact), and why the hooks raise.
+"""Hugging Face GPT-J in SMP v1's structure: the translate functions (exact) and SMP v1's hooks.
 
 The names on each side, for layer N; every weight keeps its ``nn.Linear`` (out, in) layout, so
 values are moved, never changed::
@@ -28,26 +28,37 @@ skips on the way back (GPT-J has one LayerNorm per layer, so they have no counte
 dropped with a log line. State dicts are full (every TP shard gathered), as SMP v1's were; a
 partial one is refused.
 
-The hooks: SMP v1 converted ``GPTJForCausalLM`` into its ``DistributedTransformerLMHead`` through
-`get_hf_gptj_transformer_hooks`. smp's `DistributedTransformerLMHead` has none of the pieces that
-needs (rotary embeddings on ``rotary_dim`` dimensions rotated in interleaved pairs, attention and
-MLP summed onto one residual after a single LayerNorm, bias-free projections, an untied LM head
-with a bias, no position embedding), so the getter raises and says what to use instead: keep
-the Hugging Face structure under tensor parallelism with ``smp.transform(model)`` (its parameter
-names stay Hugging Face's, so no translation is needed), and use these functions to read or
-write SMP v1 checkpoints.
+The hooks (`get_hf_gptj_transformer_hooks`, SMP v1's name): registered with
+``smp.tp_register_with_module(GPTJForCausalLM, smp.nn.DistributedTransformerLMHead, *hooks)``, a
+GPT-J created inside ``smp.tensor_parallelism()`` becomes a `DistributedTransformerLMHead` with
+SMP v1's GPT-J arguments: ``rotary_dim`` (interleaved pairs), ``single_pre_layernorm`` and
+``parallel_attn_output`` (``x + Attn(LN(x)) + MLP(LN(x))``), ``use_qkv_bias=False``,
+``use_attn_dense_bias=False``, ``use_positional_embedding=False``, and an own LM head with a bias
+(``tie_input_output_embedding=False``, ``use_lm_head_bias=True``). It is called like the Hugging
+Face model (``input_ids``, ``attention_mask``, ``labels``) and returns a ``CausalLMOutputWithPast``
+with the same logits and loss. Its weights are fresh, as in SMP v1; a Hugging Face checkpoint
+loads through `translate_hf_state_dict_to_smdistributed_gptj` with each key prefixed ``module.``
+(smp's hook wrapper holds the distributed module there; SMP v1 had no such level). Unlike SMP v1,
+``gelu_new`` stays the tanh GELU (SMP v1's hook passed ``activation='gelu'``, the exact one unless
+``SMP_USE_HF_GELU=1``), so the numbers are Hugging Face's. Without the registration, GPT-J
+keeps the Hugging Face structure under tensor parallelism (``smp.transform(model)``);
+docs/huggingface.md says which path a user gets.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, NoReturn
+from typing import Any
 
+from ._causal_lm import causal_lm_inputs, causal_lm_output, config_activation
 from ._common import HFTranslationError, check_max_seq_len, reject_partial, rename_keys, unknown_keys_error
 
 __all__ = [
     "get_hf_gptj_transformer_hooks",
+    "hf_gptj_transformer_forward_hook",
+    "hf_gptj_transformer_init_hook",
+    "hf_gptj_transformer_return_hook",
     "translate_hf_gptj_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gptj",
     "translate_state_dict_to_hf_gptj",
@@ -128,18 +139,80 @@ def translate_state_dict_to_hf_gptj(state_dict: dict[str, Any], max_seq_len: int
     return out
 
 
-def get_hf_gptj_transformer_hooks() -> NoReturn:
-    """SMP v1's (init_hook, forward_hook, return_hook) for ``GPTJForCausalLM``: not available in smp.
+# --- SMP v1's hooks: GPTJForCausalLM -> DistributedTransformerLMHead -------------------------
+
+def _config_problems(config: Any) -> tuple[list[str], str]:
+    problems = []
+    if config.n_embd % config.n_head:
+        problems.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    activation = config_activation(config.activation_function, problems, "activation_function")
+    head = config.n_embd // max(config.n_head, 1)
+    rotary = config.rotary_dim
+    if rotary is None or type(rotary) is not int or rotary < 2 or rotary % 2 or rotary > head:
+        problems.append(f"rotary_dim={rotary!r}: expected an even int from 2 to the head size {head} (Hugging "
+                        "Face's rotary_dim=None rotates with a table of n_embd dims, which no head has)")
+    if getattr(config, "tie_word_embeddings", False):
+        problems.append("tie_word_embeddings=True: GPT-J's LM head is its own, with a bias")
+    return problems, activation
+
+
+def hf_gptj_transformer_init_hook(config: Any, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``GPTJForCausalLM(config)`` -> the `DistributedTransformerLMHead` arguments (SMP v1's, from its init hook).
 
     Raises:
-        HFTranslationError: always; the message names what smp's `DistributedTransformerLMHead`
-            lacks and what to use instead.
+        HFTranslationError: a config SMP v1's structure cannot compute, every problem named.
     """
-    raise HFTranslationError(
-        "get_hf_gptj_transformer_hooks: SMP v1 replaced GPTJForCausalLM by a DistributedTransformerLMHead with "
-        "rotary embeddings (rotary_dim, interleaved pairs), a parallel attention + MLP residual after one "
-        "LayerNorm, bias-free q/k/v/out projections, no position embedding and an untied LM head with a bias; "
-        "smp.torch.nn.DistributedTransformerLMHead has none of these, so GPT-J cannot take SMP v1's structure. "
-        "Fix: keep the Hugging Face structure under tensor parallelism with smp.transform(model) (parameter "
-        "names stay Hugging Face's), and convert SMP v1 checkpoints with translate_state_dict_to_hf_gptj / "
-        "translate_hf_state_dict_to_smdistributed_gptj")
+    problems, activation = _config_problems(config)
+    if problems:
+        raise HFTranslationError("this GPT-J config does not fit SMP v1's structure:\n" +
+                                 "\n".join(f"  - {p}" for p in problems) +
+                                 "\nFix: change these config values, or keep the Hugging Face structure (do not "
+                                 "register the hooks; smp.transform(model))")
+    return (), {
+        "num_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "attention_head_size": config.n_embd // config.n_head, "hidden_size": config.n_embd,
+        "intermediate_size": config.n_inner if config.n_inner is not None else 4 * config.n_embd,
+        "vocab_size": config.vocab_size, "num_positions": config.n_positions,
+        "attention_dropout_prob": config.attn_pdrop, "hidden_dropout_prob": config.resid_pdrop,
+        "embedding_dropout_prob": config.embd_pdrop, "activation": activation,
+        "layernorm_epsilon": config.layer_norm_epsilon, "initializer_range": config.initializer_range,
+        "use_normal_initialization": True, "causal_mask_size": config.n_positions,
+        "pre_layernorm": False, "post_layernorm": False, "final_layernorm": True, "single_pre_layernorm": True,
+        "parallel_attn_output": True, "rotary_dim": config.rotary_dim, "use_positional_embedding": False,
+        "use_qkv_bias": False, "use_attn_dense_bias": False, "tie_input_output_embedding": False,
+        "use_lm_head_bias": True}
+
+
+def hf_gptj_transformer_forward_hook(input_ids: Any = None, cache: Any = None, attention_mask: Any = None,
+                                     token_type_ids: Any = None, position_ids: Any = None, inputs_embeds: Any = None,
+                                     labels: Any = None, use_cache: Any = None, logits_to_keep: Any = 0,
+                                     **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``GPTJForCausalLM.forward`` arguments (transformers 5's order) -> ``((input_ids, mask, None,
+    position_ids, labels),)``."""
+    unsupported = {"cache": cache, "past_key_values": kwargs.pop("past_key_values", None),
+                   "token_type_ids": token_type_ids, "inputs_embeds": inputs_embeds, "use_cache": use_cache,
+                   "logits_to_keep": logits_to_keep}
+    return causal_lm_inputs("GPT-J", input_ids, attention_mask, position_ids, labels, unsupported, kwargs)
+
+
+def hf_gptj_transformer_return_hook(outputs: tuple[Any, ...]) -> Any:
+    """``(loss, logits)`` or ``(logits,)`` -> a ``CausalLMOutputWithPast``."""
+    return causal_lm_output(outputs)
+
+
+def get_hf_gptj_transformer_hooks() -> tuple[Any, Any, Any]:
+    """SMP v1's (init_hook, forward_hook, return_hook) for ``GPTJForCausalLM`` -> `DistributedTransformerLMHead`.
+
+    Registered explicitly, a GPT-J created inside ``smp.tensor_parallelism()`` becomes SMP v1's
+    structure (fresh weights, as in SMP v1; load a Hugging Face checkpoint through
+    `translate_hf_state_dict_to_smdistributed_gptj`, each key prefixed ``module.``, the name of
+    smp's hook wrapper). Without the registration GPT-J keeps the Hugging Face structure.
+
+    Example::
+
+        smp.tp_register_with_module(transformers.GPTJForCausalLM, smp.nn.DistributedTransformerLMHead,
+                                    *get_hf_gptj_transformer_hooks())
+        with smp.tensor_parallelism():
+            model = transformers.GPTJForCausalLM(config)
+    """
+    return hf_gptj_transformer_init_hook, hf_gptj_transformer_forward_hook, hf_gptj_transformer_return_hook

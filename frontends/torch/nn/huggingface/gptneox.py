@@ -1,4 +1,4 @@
-"""Hugging Face GPT-NeoX in SMP v1's names: the translate functions (exact), and why the hooks raise.
+"""Hugging Face GPT-NeoX in SMP v1's structure: the translate functions (exact) and SMP v1's hooks.
 
 The names on each side, for layer N; every weight keeps its ``nn.Linear`` (out, in) layout::
 
@@ -38,27 +38,38 @@ re-interleaved only the weight and left the bias as [q; k; v], so its round trip
 transformers 4.x causal-mask buffers (``attention.bias``, ``attention.masked_bias``) are dropped on
 the way in, as SMP v1 did. State dicts are full (every TP shard gathered); a partial one is refused.
 
-The hooks: SMP v1 converted ``GPTNeoXForCausalLM`` into its ``DistributedTransformerLMHead``
-through `get_hf_gptneox_transformer_lm_head_hooks`. smp's `DistributedTransformerLMHead` lacks
-what that needs (rotary embeddings on ``partial_rotary_factor`` of each head, rotated in halves,
-the parallel attention + MLP residual, an untied LM head, no position embedding), so the getter
-raises and says what to use instead: marking the model for tensor parallelism
-(``smp.tensor_parallelism()``, ``smp.set_tensor_parallelism``) or ``smp.transform(model)`` runs it
-in the Hugging Face structure, whose names need no translation.
+The hooks (`get_hf_gptneox_transformer_lm_head_hooks`, SMP v1's name): registered with
+``smp.tp_register_with_module(GPTNeoXForCausalLM, smp.nn.DistributedTransformerLMHead, *hooks)``, a
+GPT-NeoX created inside ``smp.tensor_parallelism()`` becomes a `DistributedTransformerLMHead` with
+SMP v1's GPT-NeoX arguments: ``rotary_dim = int(head size * partial_rotary_factor)`` with
+``gpt_neox_type_rotary`` (halves) and ``rotary_emb_base`` (``rope_theta``), ``parallel_attn_output``
+from ``use_parallel_residual`` (``x + Attn(LN1(x)) + MLP(LN2(x))``; the sequential form otherwise),
+``use_qkv_bias`` / ``use_attn_dense_bias`` from ``attention_bias``, ``use_positional_embedding=False``
+and an own LM head without a bias. It is called like the Hugging Face model and returns a
+``CausalLMOutputWithPast`` with the same logits and loss. Its weights are fresh, as in SMP v1; a
+Hugging Face checkpoint loads through `translate_hf_state_dict_to_smdistributed_gptneox` with each
+key prefixed ``module.`` (smp's hook wrapper); a ``rotary_emb.inv_freq`` entry is accepted and
+recomputed. SMP v1's init hook forced every dropout to 0; here the config's dropouts are kept.
+Without the registration, a marked GPT-NeoX keeps the Hugging Face structure (the registry's
+`transform` path), as before; docs/huggingface.md says which path a user gets.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
+from ._causal_lm import causal_lm_inputs, causal_lm_output, config_activation
 from ._common import HFTranslationError, check_max_seq_len, reject_partial, rename_keys, unknown_keys_error
 
 __all__ = [
     "fuse_query_key_value",
     "get_hf_gptneox_transformer_lm_head_hooks",
+    "hf_gptneox_transformer_forward_hook",
+    "hf_gptneox_transformer_init_hook",
+    "hf_gptneox_transformer_return_hook",
     "split_query_key_value",
     "translate_hf_gptneox_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gptneox",
@@ -202,19 +213,89 @@ def translate_state_dict_to_hf_gptneox(state_dict: dict[str, Any], max_seq_len: 
     return out
 
 
-def get_hf_gptneox_transformer_lm_head_hooks() -> NoReturn:
-    """SMP v1's (init_hook, forward_hook, return_hook) for ``GPTNeoXForCausalLM``: not available in smp.
+# --- SMP v1's hooks: GPTNeoXForCausalLM -> DistributedTransformerLMHead -----------------------
+
+def _rope(config: Any) -> tuple[str, float, float]:
+    """(rope_type, rope_theta, partial_rotary_factor): transformers 5's rope_parameters, else 4.x's names."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return (params.get("rope_type", "default"), params.get("rope_theta", getattr(config, "rotary_emb_base", 10000)),
+            params.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0)))
+
+
+def hf_gptneox_transformer_init_hook(config: Any, *args: Any, **kwargs: Any
+                                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``GPTNeoXForCausalLM(config)`` -> the `DistributedTransformerLMHead` arguments (SMP v1's, from its init hook).
 
     Raises:
-        HFTranslationError: always; the message names what smp's `DistributedTransformerLMHead`
-            lacks and what to use instead.
+        HFTranslationError: a config SMP v1's structure cannot compute, every problem named.
     """
-    raise HFTranslationError(
-        "get_hf_gptneox_transformer_lm_head_hooks: SMP v1 replaced GPTNeoXForCausalLM by a "
-        "DistributedTransformerLMHead with rotary embeddings (partial_rotary_factor of each head, rotated in "
-        "halves), a parallel attention + MLP residual, no position embedding and an untied LM head; "
-        "smp.torch.nn.DistributedTransformerLMHead has none of these, so GPT-NeoX cannot take SMP v1's "
-        "structure. Fix: mark the model for tensor parallelism (smp.tensor_parallelism() or "
-        "smp.set_tensor_parallelism) or call smp.transform(model): it runs in the Hugging Face structure, whose "
-        "parameter names stay Hugging Face's; convert SMP v1 checkpoints with translate_state_dict_to_hf_gptneox "
-        "/ translate_hf_state_dict_to_smdistributed_gptneox")
+    problems = []
+    if config.hidden_size % config.num_attention_heads:
+        problems.append(f"hidden_size={config.hidden_size} is not divisible by "
+                        f"num_attention_heads={config.num_attention_heads}")
+    activation = config_activation(config.hidden_act, problems, "hidden_act")
+    head = config.hidden_size // max(config.num_attention_heads, 1)
+    rope_type, theta, pct = _rope(config)
+    rotary = int(head * pct)
+    if rope_type != "default":
+        problems.append(f"rope_parameters rope_type={rope_type!r}: only the default (unscaled) rotary embedding")
+    if rotary % 2:
+        problems.append(f"partial_rotary_factor={pct} gives {rotary} rotary dims of a head of {head}: an even number "
+                        "is needed")
+    if getattr(config, "tie_word_embeddings", False):
+        problems.append("tie_word_embeddings=True: SMP v1's GPT-NeoX head is its own (lm_head)")
+    if problems:
+        raise HFTranslationError("this GPT-NeoX config does not fit SMP v1's structure:\n" +
+                                 "\n".join(f"  - {p}" for p in problems) +
+                                 "\nFix: change these config values, or keep the Hugging Face structure (do not "
+                                 "register the hooks; marking or smp.transform(model) use it)")
+    bias = bool(getattr(config, "attention_bias", True))
+    return (), {
+        "num_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "attention_head_size": head, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
+        "num_positions": config.max_position_embeddings, "attention_dropout_prob": config.attention_dropout,
+        "hidden_dropout_prob": config.hidden_dropout, "embedding_dropout_prob": config.hidden_dropout,
+        "activation": activation, "layernorm_epsilon": config.layer_norm_eps,
+        "initializer_range": config.initializer_range, "use_normal_initialization": True,
+        "causal_mask_size": config.max_position_embeddings, "pre_layernorm": True, "post_layernorm": False,
+        "final_layernorm": True, "parallel_attn_output": bool(config.use_parallel_residual),
+        "rotary_dim": rotary or None, "rotary_emb_base": float(theta), "gpt_neox_type_rotary": True,
+        "use_positional_embedding": False, "use_qkv_bias": bias, "use_attn_dense_bias": bias,
+        "tie_input_output_embedding": False, "use_lm_head_bias": False}
+
+
+def hf_gptneox_transformer_forward_hook(input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None,
+                                        inputs_embeds: Any = None, cache: Any = None, labels: Any = None,
+                                        use_cache: Any = None, logits_to_keep: Any = 0, **kwargs: Any
+                                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``GPTNeoXForCausalLM.forward`` arguments (transformers 5's order) -> ``((input_ids, mask, None,
+    position_ids, labels),)``."""
+    unsupported = {"cache": cache, "past_key_values": kwargs.pop("past_key_values", None),
+                   "inputs_embeds": inputs_embeds, "use_cache": use_cache, "logits_to_keep": logits_to_keep}
+    return causal_lm_inputs("GPT-NeoX", input_ids, attention_mask, position_ids, labels, unsupported, kwargs)
+
+
+def hf_gptneox_transformer_return_hook(outputs: tuple[Any, ...]) -> Any:
+    """``(loss, logits)`` or ``(logits,)`` -> a ``CausalLMOutputWithPast``."""
+    return causal_lm_output(outputs)
+
+
+def get_hf_gptneox_transformer_lm_head_hooks() -> tuple[Any, Any, Any]:
+    """SMP v1's (init_hook, forward_hook, return_hook) for ``GPTNeoXForCausalLM`` -> `DistributedTransformerLMHead`.
+
+    Registered explicitly, a GPT-NeoX created inside ``smp.tensor_parallelism()`` becomes SMP v1's
+    structure (fresh weights, as in SMP v1; load a Hugging Face checkpoint through
+    `translate_hf_state_dict_to_smdistributed_gptneox`, each key prefixed ``module.``, the name of
+    smp's hook wrapper). Without the registration a marked GPT-NeoX keeps the Hugging Face
+    structure (the registry's `transform` path).
+
+    Example::
+
+        smp.tp_register_with_module(transformers.GPTNeoXForCausalLM, smp.nn.DistributedTransformerLMHead,
+                                    *get_hf_gptneox_transformer_lm_head_hooks())
+        with smp.tensor_parallelism():
+            model = transformers.GPTNeoXForCausalLM(config)
+    """
+    return (hf_gptneox_transformer_init_hook, hf_gptneox_transformer_forward_hook,
+            hf_gptneox_transformer_return_hook)
