@@ -121,19 +121,24 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: An
     visit(module)
 
 
-class _Hooked(nn.Module):
-    """A registered distributed module called through SMP v1's forward and return hooks."""
+def _hooked(dist: nn.Module, reg: Registration) -> nn.Module:
+    """``dist`` called through SMP v1's forward and return hooks.
 
-    def __init__(self, dist: nn.Module, reg: Registration) -> None:
-        super().__init__()
-        self.module = dist
-        self._forward_hook, self._return_hook = reg.forward_hook, reg.return_hook
+    The hooks wrap ``dist``'s own ``forward`` (an instance attribute, as activation checkpointing
+    does) instead of a wrapper module, so the parameter names are ``dist``'s, with no ``module.``
+    in between: what SMP v1 scripts and its translate functions expect.
+    """
+    inner = dist.forward
+    forward_hook, return_hook = reg.forward_hook, reg.return_hook
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._forward_hook is not None:
-            args, kwargs = self._forward_hook(*args, **kwargs)
-        out = self.module(*args, **kwargs)
-        return self._return_hook(out) if self._return_hook is not None else out
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if forward_hook is not None:
+            args, kwargs = forward_hook(*args, **kwargs)
+        out = inner(*args, **kwargs)
+        return return_hook(out) if return_hook is not None else out
+
+    dist.forward = forward  # type: ignore[method-assign]
+    return dist
 
 
 def _accepted(target: Any, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +169,7 @@ def _build(module: nn.Module, reg: Registration, overrides: dict[str, Any]) -> n
     if reg.init_hook is not None:
         args, kwargs = reg.init_hook(*args, **kwargs)
     dist = reg.dist_module(*args, **{**kwargs, **_accepted(reg.dist_module, overrides)})
-    return _Hooked(dist, reg) if (reg.forward_hook or reg.return_hook) else dist  # type: ignore[no-any-return]
+    return _hooked(dist, reg) if (reg.forward_hook or reg.return_hook) else dist  # type: ignore[no-any-return]
 
 
 def _shares_weights(module: nn.Module, root: nn.Module) -> bool:

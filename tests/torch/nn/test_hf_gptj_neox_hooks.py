@@ -86,8 +86,8 @@ def _marked(kind: str, cfg: Any) -> Iterator[Any]:
 
 
 def _hf_grads(grads: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """Our gradients (smp's hook wrapper prefixes ``module.``) under Hugging Face names."""
-    return _family(kind)[3]({k[len("module."):]: v for k, v in grads.items()})
+    """Our gradients under Hugging Face names."""
+    return _family(kind)[3](grads)
 
 
 CASES = [("gptj", {}), ("gptneox", {}), ("gptneox", {"use_parallel_residual": False}),
@@ -103,10 +103,10 @@ def test_registered_hooks_give_the_hf_logits_loss_and_gradients(kind: str, over:
     ref = _reference(kind, cfg)
     with _marked(kind, cfg) as marked:
         model = apply_tensor_parallelism(marked)
-    inner = model.module
+    inner = model
     assert isinstance(inner, DistributedTransformerLMHead) and len(inner.transformer.seq_layers) == 2
     assert inner.position_embedding is None and inner.lm_head is not None
-    model.load_state_dict({"module." + k: v for k, v in _family(kind)[2](ref.state_dict()).items()})
+    model.load_state_dict(_family(kind)[2](ref.state_dict()))  # SMP v1's names, no prefix
     model.eval()
     ids, mask = _data()
     want, got = ref(input_ids=ids, attention_mask=mask, labels=ids), model(input_ids=ids, attention_mask=mask,
@@ -135,11 +135,11 @@ def _tp2(kind: str, over: dict[str, Any]) -> str:
     want.loss.backward()
     with _marked(kind, cfg) as marked:
         model = smp.DistributedModel(marked)
-    inner = model.get_module().module
+    inner = model.get_module()
     assert isinstance(inner, DistributedTransformerLMHead)
     assert inner.transformer.seq_layers[0].attention.query.weight.shape == (16, 32), "heads split over 2 ranks"
     assert inner.lm_head.weight.shape == (VOCAB // 2, 32), "the untied head split over the vocabulary"
-    model.load_state_dict({"module." + k: v for k, v in _family(kind)[2](ref.state_dict()).items()})
+    model.load_state_dict(_family(kind)[2](ref.state_dict()))  # SMP v1's names, no prefix
 
     @smp.step
     def step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:

@@ -104,8 +104,9 @@ def _marked(kind: str) -> str:
             del REGISTRY[Block]
         tag, out = model[0](x, scale=3.0)
         assert tag == "wrapped"
-        assert model[0].module.dense1.weight.shape == (8, 8), "intermediate 16 split over 2 ranks"
-        w = full_state_dict(model[0].module, group)
+        assert model[0].dense1.weight.shape == (8, 8), "intermediate 16 split over 2 ranks"
+        assert "0.dense1.weight" in dict(model.named_parameters()), "the hooks add no level (SMP v1's names)"
+        w = full_state_dict(model[0], group)
         h = torch.relu(x @ w["dense1.weight"].T + w["dense1.bias"]) @ w["dense2.weight"].T + w["dense2.bias"] + x
         ref = torch.nn.functional.layer_norm(h, (8,), w["layernorm.weight"], w["layernorm.bias"])
         torch.testing.assert_close(out, ref)
