@@ -423,8 +423,7 @@ class DistributedModel(nn.Module):
         if smp_state.current().rank == 0 and not self._partitioned:
             logger.info("load_saved_partition: using the saved partition; automatic partitioning and "
                         "smp.set_partition calls are ignored")
-        self.use_saved_partition(partition_info)
-
+        self._saved_partition = check_saved_partition(self.module, partition_info, "load_saved_partition")
 
     def use_saved_partition(self, assignment: dict[str, int]) -> None:
         """Take the partition a checkpoint was saved with (applied at the first step)."""

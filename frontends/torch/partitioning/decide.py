@@ -26,12 +26,13 @@ __all__ = ["check_saved_partition", "decide_partition"]
 logger = logging.getLogger("smp")
 
 
-def check_saved_partition(module: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
-    """A checkpoint's partition, checked against ``module``'s module paths."""
+def check_saved_partition(module: nn.Module, assignment: dict[str, int],
+                          caller: str = "resume_from_checkpoint") -> dict[str, int]:
+    """A checkpoint's partition, checked against ``module``'s module paths (``caller`` names the API in errors)."""
     paths = {p for p, _ in module.named_modules()}
     if set(assignment) != paths:
         extra, missing = sorted(set(assignment) - paths), sorted(paths - set(assignment))
-        raise SMPError(f"resume_from_checkpoint: the checkpoint's partition names other modules than this "
+        raise SMPError(f"{caller}: the checkpoint's partition names other modules than this "
                        f"model has (only in the checkpoint: {extra[:5]}, only in the model: {missing[:5]}). "
                        f"Fix: build the same model as the one that was saved")
     return dict(assignment)
