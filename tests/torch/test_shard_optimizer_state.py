@@ -107,6 +107,11 @@ def _train(cfg: dict[str, Any], kind: str, opt_kind: str, clip: float | None) ->
                 opt.state_dict()
             except smp.exceptions.SMPCheckpointError as e:
                 out["full_state_dict_error"] = str(e)
+            try:
+                with model.join():
+                    pass
+            except smp.exceptions.SMPError as e:
+                out["join_error"] = str(e)
         smp.reset()
     return out
 
@@ -120,6 +125,7 @@ def _check(results: list[dict[str, Any]], rdp: int) -> None:
         for name, value in plain["params"].items():
             assert torch.equal(sharded["params"][name], value), (c, name)
         assert "gather_if_shard=False" in r["full_state_dict_error"] and "v3=True" in r["full_state_dict_error"]
+        assert "shard_optimizer_state" in r["join_error"] and "same number of batches" in r["join_error"]
         groups.setdefault(c[:2], []).append(r)
     for (pp, tp), members in groups.items():
         assert len(members) == rdp
@@ -231,8 +237,9 @@ def _checkpoints(path: str, pp: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_sharded_checkpoints_resume_with_the_same_losses(tmp_path: Any, pp: int) -> None:
+def test_sharded_checkpoints_resume_with_the_same_losses(tmp_path: Any) -> None:
+    # pp=1 x dp=2; the v3 files of two stages are checked by test_smp_v1_scripts (train_gpt_simple at pp2 x dp2).
+    pp = 1
     results = run_ranks(_checkpoints, 2 * pp, args=(str(tmp_path), pp), timeout=300)
     for r in results:
         for name in ("resumed_sharded", "resumed_unsharded", "resumed_v3"):
@@ -246,21 +253,3 @@ def test_sharded_checkpoints_resume_with_the_same_losses(tmp_path: Any, pp: int)
     assert sorted(os.listdir(tmp_path / "v3")) == sorted(
         f"optimizer.pt_{stage}_0_{rdp}.pt" for stage in range(pp) for rdp in range(2))
 
-
-def _join_refused() -> str:
-    import smp.torch as smp
-
-    model, _, _ = _setup({"shard_optimizer_state": True}, "gpt", "sgd")
-    try:
-        with model.join():
-            pass
-    except smp.exceptions.SMPError as e:
-        return str(e)
-    finally:
-        smp.reset()
-    return ""
-
-
-def test_join_with_sharded_state_is_refused_with_the_fix() -> None:
-    for msg in run_ranks(_join_refused, 2, timeout=60):
-        assert "shard_optimizer_state" in msg and "same number of batches" in msg
