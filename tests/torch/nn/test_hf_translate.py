@@ -105,7 +105,7 @@ def test_gpt2_layer_translation_keeps_the_rest() -> None:
     assert "transformer.h.0.attention.query.weight" in layered and "transformer.wte.weight" in layered
     _assert_same(gpt2.translate_state_dict_to_hf_gpt2_layer(layered), hf)
     hooked = {k.replace("transformer.h.0.", "transformer.h.0.module."): v for k, v in layered.items()}
-    _assert_same(gpt2.translate_state_dict_to_hf_gpt2_layer(hooked), hf)  # smp's hook wrapper spelling
+    _assert_same(gpt2.translate_state_dict_to_hf_gpt2_layer(hooked), hf)  # earlier smp versions' spelling
 
 
 # --- the SMP v1 structure computes what the Hugging Face model computes ------------------------

@@ -344,9 +344,9 @@ def translate_hf_state_dict_to_smdistributed_gpt2_layer(state_dict: dict[str, An
     """Translate the ``h.N.*`` blocks of a Hugging Face GPT-2 state dict to `DistributedTransformerLayer`
     names (``h.N.attention.query.weight``, ...); every other key is kept as it is.
 
-    For a model whose ``GPT2Block`` s were replaced through `get_hf_gpt2_transformer_layer_hooks`.
-    smp's hook wrapper holds the layer as ``h.N.module``: insert ``module.`` before loading into it
-    (`translate_state_dict_to_hf_gpt2_layer` accepts both spellings).
+    For a model whose ``GPT2Block`` s were replaced through `get_hf_gpt2_transformer_layer_hooks`
+    (the layer sits at ``h.N`` itself, as in SMP v1; `translate_state_dict_to_hf_gpt2_layer` also
+    accepts the ``h.N.module.*`` keys of earlier smp versions).
     """
     what = "translate_hf_state_dict_to_smdistributed_gpt2_layer"
     reject_partial(state_dict, what)

@@ -37,8 +37,7 @@ SMP v1's GPT-J arguments: ``rotary_dim`` (interleaved pairs), ``single_pre_layer
 (``tie_input_output_embedding=False``, ``use_lm_head_bias=True``). It is called like the Hugging
 Face model (``input_ids``, ``attention_mask``, ``labels``) and returns a ``CausalLMOutputWithPast``
 with the same logits and loss. Its weights are fresh, as in SMP v1; a Hugging Face checkpoint
-loads through `translate_hf_state_dict_to_smdistributed_gptj` with each key prefixed ``module.``
-(smp's hook wrapper holds the distributed module there; SMP v1 had no such level). Unlike SMP v1,
+loads through `translate_hf_state_dict_to_smdistributed_gptj` (SMP v1's names, as they are). Unlike SMP v1,
 ``gelu_new`` stays the tanh GELU (SMP v1's hook passed ``activation='gelu'``, the exact one unless
 ``SMP_USE_HF_GELU=1``), so the numbers are Hugging Face's. Without the registration, GPT-J
 keeps the Hugging Face structure under tensor parallelism (``smp.transform(model)``);
@@ -205,8 +204,8 @@ def get_hf_gptj_transformer_hooks() -> tuple[Any, Any, Any]:
 
     Registered explicitly, a GPT-J created inside ``smp.tensor_parallelism()`` becomes SMP v1's
     structure (fresh weights, as in SMP v1; load a Hugging Face checkpoint through
-    `translate_hf_state_dict_to_smdistributed_gptj`, each key prefixed ``module.``, the name of
-    smp's hook wrapper). Without the registration GPT-J keeps the Hugging Face structure.
+    `translate_hf_state_dict_to_smdistributed_gptj`). Without the registration GPT-J keeps the Hugging
+    Face structure.
 
     Example::
 

@@ -47,8 +47,8 @@ from ``use_parallel_residual`` (``x + Attn(LN1(x)) + MLP(LN2(x))``; the sequenti
 ``use_qkv_bias`` / ``use_attn_dense_bias`` from ``attention_bias``, ``use_positional_embedding=False``
 and an own LM head without a bias. It is called like the Hugging Face model and returns a
 ``CausalLMOutputWithPast`` with the same logits and loss. Its weights are fresh, as in SMP v1; a
-Hugging Face checkpoint loads through `translate_hf_state_dict_to_smdistributed_gptneox` with each
-key prefixed ``module.`` (smp's hook wrapper); a ``rotary_emb.inv_freq`` entry is accepted and
+Hugging Face checkpoint loads through `translate_hf_state_dict_to_smdistributed_gptneox` (SMP v1's
+names, as they are); a ``rotary_emb.inv_freq`` entry is accepted and
 recomputed. SMP v1's init hook forced every dropout to 0; here the config's dropouts are kept.
 Without the registration, a marked GPT-NeoX keeps the Hugging Face structure (the registry's
 `transform` path), as before; docs/huggingface.md says which path a user gets.
@@ -286,9 +286,8 @@ def get_hf_gptneox_transformer_lm_head_hooks() -> tuple[Any, Any, Any]:
 
     Registered explicitly, a GPT-NeoX created inside ``smp.tensor_parallelism()`` becomes SMP v1's
     structure (fresh weights, as in SMP v1; load a Hugging Face checkpoint through
-    `translate_hf_state_dict_to_smdistributed_gptneox`, each key prefixed ``module.``, the name of
-    smp's hook wrapper). Without the registration a marked GPT-NeoX keeps the Hugging Face
-    structure (the registry's `transform` path).
+    `translate_hf_state_dict_to_smdistributed_gptneox`). Without the registration a marked GPT-NeoX
+    keeps the Hugging Face structure (the registry's `transform` path).
 
     Example::
 
