@@ -99,6 +99,7 @@ class GradScaler(torch.amp.GradScaler):
                 "or turn fp16/bf16 off and use torch.autocast with smp.amp.GradScaler")])
         self._ensure_scale()
         super().unscale_(optimizer)
+        self._unscale_foreign(optimizer)
         if not (self.is_enabled() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -108,6 +109,24 @@ class GradScaler(torch.amp.GradScaler):
         found = any_rank(local, "GradScaler inf check")
         for flag in flags.values():
             flag.fill_(float(found))
+
+    def _unscale_foreign(self, optimizer: torch.optim.Optimizer) -> None:
+        """With ``shard_optimizer_state`` the optimizer lists only the parameters this rank steps; the
+        others' gradients are unscaled too, so ``clip_grad_norm_(model.parameters())`` after
+        ``unscale_`` sees every gradient unscaled, as without sharding (their inf/NaN is their owner's
+        to find; the ranks agree on it below)."""
+        shard_of = getattr(optimizer, "state_shard", None)
+        shard = shard_of() if callable(shard_of) else None
+        if shard is None or not self.is_enabled() or self._scale is None:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in shard.params:
+            if not shard.owns(p) and p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        inv_scale = self._scale.double().reciprocal().float()
+        for device, grads in by_device.items():  # torch's own unscale, as for the optimizer's parameters
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1, device=device),
+                                                             inv_scale.to(device))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         self._ensure_scale()

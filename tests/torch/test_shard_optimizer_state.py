@@ -46,7 +46,7 @@ def _setup(cfg: dict[str, Any], kind: str, opt_kind: str) -> tuple[Any, Any, Any
     import smp.torch as smp
 
     smp.init({"microbatches": 2, "ddp": True, "auto_partition": False, "default_partition": 0,
-              "comm_timeout": 60.0, **cfg})
+              "comm_timeout": 60.0, **{k: v for k, v in cfg.items() if not k.startswith("_")}})
     torch.manual_seed(0)
     if kind == "llama":
         from tests.torch.tp.test_tp_hf import _model
@@ -60,23 +60,34 @@ def _setup(cfg: dict[str, Any], kind: str, opt_kind: str) -> tuple[Any, Any, Any
     opt = smp.DistributedOptimizer(_optimizer(opt_kind, model), **(
         {"static_loss_scale": 128.0} if cfg.get("fp16") else {}))
 
+    scaler = smp.amp.GradScaler(init_scale=1024.0) if cfg.get("_grad_scaler") else None
+
     @smp.step
     def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
         out = model(ids) if kind != "llama" else model(input_ids=ids).logits
         loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]).float(), ids[:, 1:].reshape(-1))
-        model.backward(loss)
+        model.backward(scaler.scale(loss) if scaler is not None else loss)
         return loss
+
+    train_step.scaler = scaler
 
     return model, opt, train_step
 
 
-def _steps(model: Any, opt: Any, train_step: Any, steps: range, clip: float | None = None) -> list[float]:
+def _steps(model: Any, opt: Any, train_step: Any, steps: range, clip: float | None = None,
+           scaler: Any = None) -> list[float]:
     import smp.torch as smp
 
     losses = []
     for step in steps:
         opt.zero_grad()
         losses.append(train_step(model, _ids(step, smp.dp_rank())).reduce_mean().item())
+        if scaler is not None:  # torch's AMP recipe: unscale, clip every parameter's gradient, step, update
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            continue
         if clip is not None:
             opt.clip_master_grads(clip)
         opt.step()
@@ -90,7 +101,7 @@ def _train(cfg: dict[str, Any], kind: str, opt_kind: str, clip: float | None) ->
     out: dict[str, Any] = {}
     for sharded in (False, True):
         model, opt, train_step = _setup({**cfg, "shard_optimizer_state": sharded}, kind, opt_kind)
-        losses = _steps(model, opt, train_step, range(STEPS), clip)
+        losses = _steps(model, opt, train_step, range(STEPS), clip, train_step.scaler)
         shard = opt.state_shard()
         assert (shard is not None) == sharded
         per_param = [sum(v.numel() * v.element_size() for v in opt.state[p].values() if isinstance(v, torch.Tensor))
@@ -185,6 +196,13 @@ def test_pp1_dp2_fp16_masters_and_fused_lamb_are_sharded() -> None:
     results = run_ranks(_train, 2, args=({"fp16": True}, "gpt", "lamb", 0.5), timeout=180)
     _check(results, rdp=2)
     assert all(r[True]["bytes"]["masters"] < r[False]["bytes"]["masters"] for r in results)
+
+
+def test_grad_scaler_unscales_every_gradient_before_a_user_clip() -> None:
+    """torch's AMP recipe (``scaler.unscale_(opt)``, ``clip_grad_norm_(model.parameters())``, ``scaler.step``):
+    the optimizer lists only the parameters this rank steps, and the others' gradients must be unscaled too,
+    or the clip norm mixes scaled and unscaled gradients."""
+    _check(run_ranks(_train, 2, args=({"_grad_scaler": True}, "gpt", "sgd", None), timeout=180), rdp=2)
 
 
 @pytest.mark.slow
