@@ -359,11 +359,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         from .runtime.comm import MP_GROUP, allgather
 
         parts = allgather(local_state_dict(self), MP_GROUP)
-        full = parts[0]
-        for part in parts[1:]:
-            full["state"].update(part["state"])
-            if "fp32_from_fp16" in part:
-                full["fp32_from_fp16"].update(part["fp32_from_fp16"])
+        full = merge_shards(parts)  # the stages hold disjoint parameters, as shards do
         full.pop("_smp_is_partial", None)
         return full
 

@@ -132,7 +132,8 @@ class OptimizerShard:
 
 
 def merge_shards(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The shards of one (pp, tp) rank's optimizer state (by name) joined into its complete state dict."""
+    """By-name optimizer state dicts of disjoint parameter sets joined into one: the shards of one (pp, tp)
+    rank (ordered by rdp rank), or the parts of the pipeline stages (in the order given)."""
     ordered = sorted(parts, key=lambda sd: sd.get(SHARD_KEY, {}).get("rdp_rank", 0))
     full = {k: v for k, v in ordered[0].items() if k not in ("state", "fp32_from_fp16", SHARD_KEY)}
     full["state"] = {}
