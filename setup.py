@@ -7,6 +7,7 @@ from setuptools import setup
 PACKAGE_DIR = {
     "smp": "smp",
     "smp.torch": "frontends/torch",
+    "smp.tensorflow": "frontends/tensorflow",
 }
 
 
@@ -26,19 +27,21 @@ def _packages() -> list[str]:
 setup(
     name="smp",
     version="0.1.0",
-    description="Model-parallel training for PyTorch with the SageMaker model parallelism v1 programming model",
+    description="Model-parallel training for PyTorch and TensorFlow with the SageMaker model parallelism v1 programming model",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     package_dir=PACKAGE_DIR,
     packages=_packages(),
-    package_data={"smp": ["py.typed"], "smp.torch": ["py.typed"]},
+    package_data={"smp": ["py.typed"], "smp.torch": ["py.typed"], "smp.tensorflow": ["py.typed"]},
     install_requires=[],
     extras_require={
         # Ranges, not pins: users keep their own (CUDA) torch.
         "torch": ["torch>=2.3", "numpy"],
         "hf": ["transformers>=5.0", "safetensors>=0.4", "accelerate>=1.0"],
         "mpi": ["mpi4py>=3.1"],
+        # Keras 3 (TF >= 2.16); mpi4py is smp.tensorflow's transport.
+        "tensorflow": ["tensorflow>=2.16", "mpi4py>=3.1", "numpy"],
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.5", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["smp=smp.cli:main"]},

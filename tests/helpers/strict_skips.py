@@ -27,7 +27,7 @@ ENV = "SMP_TEST_STRICT_SKIPS"
 DEV_REQUIREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "requirements", "dev.txt")
 # Commands a pinned package provides, which skip reasons name instead of the package.
-PROVIDES = {"mpich": ("mpiexec", "mpirun"), "mpi4py": ("mpi4py",)}
+PROVIDES = {"mpich": ("mpiexec", "mpirun"), "mpi4py": ("mpi4py",), "tensorflow-cpu": ("tensorflow", "keras")}
 
 
 def _no_cuda() -> bool:

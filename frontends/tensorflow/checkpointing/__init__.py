@@ -1,0 +1,3 @@
+"""smp.tensorflow.checkpointing."""
+
+__all__: list[str] = []

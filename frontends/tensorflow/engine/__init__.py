@@ -1,0 +1,3 @@
+"""smp.tensorflow.engine."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""smp.tensorflow.model."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""smp.tensorflow.partitioning."""
+
+__all__: list[str] = []

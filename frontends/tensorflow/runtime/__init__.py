@@ -1,0 +1,3 @@
+"""smp.tensorflow.runtime."""
+
+__all__: list[str] = []
