@@ -92,16 +92,11 @@ class StepFunction:
         # raises the core's TensorSplitError before any work.
         self._precheck = input_signature is not None or bool(tf_function_kwargs.get("reduce_retracing"))
 
-        @functools.wraps(func)
-        def traced(*args: Any, **kwargs: Any) -> tuple[tf.Tensor, list[Any]]:
-            per_mb = self._trace(args, kwargs)
-            trace_id = next(self._trace_ids)
-            flat, template = _flatten(per_mb)
-            self._templates[trace_id] = (template, len(flat))
-            return tf.constant(trace_id, tf.int64), flat
-
-        self._function = tf.function(traced, input_signature=input_signature, autograph=False,
-                                     **tf_function_kwargs)
+        self._tf_function_kwargs = dict(tf_function_kwargs)
+        # One tf.function per number of microbatches (the count is baked into each trace; it changes
+        # only when smp.init runs again with another config).
+        self._functions: dict[int, Any] = {}
+        tf.function(lambda: None, **self._tf_function_kwargs)  # bad tf.function options fail here
         functools.update_wrapper(self, func)
 
     @tf.autograph.experimental.do_not_convert
@@ -119,7 +114,7 @@ class StepFunction:
         if self._precheck:
             split_arguments(self.spec, args, kwargs, int(st.cfg.microbatches), _CheckOps(self.spec.function_name))
         try:
-            trace_id, flat = self._function(*args, **kwargs)
+            trace_id, flat = self._function(int(st.cfg.microbatches))(*args, **kwargs)
         except tf.errors.InvalidArgumentError as e:
             marker = f"smp.step({self.spec.function_name}): cannot split"
             if marker in e.message:
@@ -128,6 +123,23 @@ class StepFunction:
             raise
         template, count = self._templates[int(trace_id)]
         return aggregate_outputs(_unflatten(template, list(flat)[:count]), TFStepOps(), StepOutput)
+
+    def _function(self, num_microbatches: int) -> Any:
+        """The step's own ``tf.function`` for ``num_microbatches``."""
+        function = self._functions.get(num_microbatches)
+        if function is None:
+            @functools.wraps(self.func)
+            def traced(*args: Any, **kwargs: Any) -> tuple[tf.Tensor, list[Any]]:
+                per_mb = self._trace(args, kwargs)
+                trace_id = next(self._trace_ids)
+                flat, template = _flatten(per_mb)
+                self._templates[trace_id] = (template, len(flat))
+                return tf.constant(trace_id, tf.int64), flat
+
+            function = tf.function(traced, input_signature=self.input_signature, autograph=False,
+                                   **self._tf_function_kwargs)
+            self._functions[num_microbatches] = function
+        return function
 
     def _user_function(self) -> Callable[..., Any]:
         if self._converted is None:
