@@ -129,7 +129,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 def run_mpi_ranks(fn: Callable[..., Any], n: int, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                   timeout: float = DEFAULT_TIMEOUT, env: Mapping[str, str] | None = None,
-                  expect_failure: bool = False) -> Any:
+                  expect_failure: bool = False, mpiexec_args: Sequence[str] = ()) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``n`` MPI ranks; return the values by world rank.
 
     Args:
@@ -138,6 +138,8 @@ def run_mpi_ranks(fn: Callable[..., Any], n: int, args: Sequence[Any] = (), kwar
         timeout: seconds for the whole job, from start to exit.
         env: extra environment for the ranks (applied after the defaults above).
         expect_failure: return an `MPIRun` instead of raising when ranks fail (fault tests).
+        mpiexec_args: extra mpiexec options before ``-n`` (e.g. Hydra's ``-disable-auto-cleanup``,
+            which keeps the other ranks running when one is killed).
 
     Raises:
         RankFailure: a rank raised or reported nothing, or the job passed ``timeout``.
@@ -162,7 +164,7 @@ def run_mpi_ranks(fn: Callable[..., Any], n: int, args: Sequence[Any] = (), kwar
         child_env["SMP_LOG_LEVEL"] = os.environ.get("SMP_LOG_LEVEL", "WARNING")
         child_env.update(env or {})
         out_path = os.path.join(tmp, "output.txt")
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "tests.helpers._mpi_child", payload, result_dir]
+        cmd = [mpiexec, *mpiexec_args, "-n", str(n), sys.executable, "-m", "tests.helpers._mpi_child", payload, result_dir]
         start = time.monotonic()
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=out, stderr=subprocess.STDOUT,

@@ -1,0 +1,119 @@
+"""mpi4py requests as the failure protocol's work handles, and pickled-object collectives that never hang.
+
+Every wait on another rank in smp.tensorflow goes through `wait_request`: the request is polled
+(``Test``) by the core's `smp.runtime.failure.wait`, which checks the job's failure record and the
+peers' heartbeats between polls and gives up after ``comm_timeout`` naming the peer. The poll runs
+in the calling thread (the core's ``p2p=False`` path): MPI requests report completion, unlike
+gloo's, so no helper thread is needed, and concurrent waits from several TF executor threads never
+queue behind each other.
+
+A request abandoned by a timeout or a failure may still complete later into its buffer; both are
+kept referenced in `_ABANDONED` so MPI never writes into freed memory (the job is failing anyway).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from smp.runtime import failure as core_failure
+
+__all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "wait_request"]
+
+_ABANDONED: list[tuple[Any, Any]] = []
+
+
+class RequestWork:
+    """An ``MPI.Request`` as a `smp.runtime.failure.Work` (``is_completed`` polls ``Test``).
+
+    Args:
+        request: the pending request.
+        keep: what the request reads or writes (kept alive with it).
+        status: filled in on completion (a receive's source, tag and byte count).
+    """
+
+    def __init__(self, request: MPI.Request, keep: Any = None, status: MPI.Status | None = None) -> None:
+        self.request = request
+        self.keep = keep
+        self.status = status
+        self.done = False
+
+    def is_completed(self) -> bool:
+        self.done = self.done or bool(self.request.Test(self.status))
+        return self.done
+
+    def wait(self) -> None:
+        # A completed request is null: waiting on it again would overwrite the status with an empty one.
+        if not self.done:
+            self.request.Wait(self.status)
+            self.done = True
+
+
+def wait_request(request: MPI.Request, what: str, peers: int | list[int], keep: Any = None,
+                 timeout_s: float | None = None, status: MPI.Status | None = None) -> None:
+    """Wait for ``request`` with the comm_timeout and failure detection (see the module docstring).
+
+    Raises:
+        RemoteRankError: another rank failed (`PeerLostError`: it is gone).
+        CommTimeoutError: past the timeout (`PeerStalledError` naming the silent peer).
+    """
+    work = RequestWork(request, keep, status)
+    try:
+        core_failure.wait(work, what, peers, timeout_s)
+    except BaseException:
+        if request != MPI.REQUEST_NULL:
+            _ABANDONED.append((request, keep))
+        raise
+
+
+def _members(comm: MPI.Comm, ranks: list[int] | None) -> list[int]:
+    return ranks if ranks is not None else list(range(comm.Get_size()))
+
+
+def bcast_object(comm: MPI.Comm, obj: Any, root: int, what: str, ranks: list[int] | None = None,
+                 timeout_s: float | None = None) -> Any:
+    """``obj`` of ``root`` (a rank of ``comm``) on every member of ``comm``.
+
+    Args:
+        ranks: the global ranks of ``comm``'s members, for error messages (default: comm ranks).
+    """
+    if comm.Get_size() == 1:
+        return obj
+    peers = _members(comm, ranks)
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if comm.Get_rank() == root else b""
+    size = np.array([len(data)], dtype=np.int64)
+    wait_request(comm.Ibcast(size, root=root), f"{what} (size)", peers, size, timeout_s)
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data else np.empty(int(size[0]), dtype=np.uint8)
+    wait_request(comm.Ibcast(buf, root=root), what, peers, buf, timeout_s)
+    return obj if comm.Get_rank() == root else pickle.loads(buf.tobytes())
+
+
+def allgather_objects(comm: MPI.Comm, obj: Any, what: str, ranks: list[int] | None = None,
+                      timeout_s: float | None = None) -> list[Any]:
+    """Every member's ``obj``, in ``comm`` rank order."""
+    if comm.Get_size() == 1:
+        return [obj]
+    peers = _members(comm, ranks)
+    data = np.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    mine = np.array([data.size], dtype=np.int64)
+    wait_request(comm.Iallgather(mine, sizes), f"{what} (sizes)", peers, (mine, sizes), timeout_s)
+    counts = [int(s) for s in sizes]
+    displs = [sum(counts[:i]) for i in range(len(counts))]
+    out = np.empty(sum(counts), dtype=np.uint8)
+    wait_request(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), what, peers, (data, out), timeout_s)
+    return [pickle.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts)]
+
+
+def all_true(comm: MPI.Comm, flag: bool, what: str, timeout_s: float | None = None) -> bool:
+    """Whether ``flag`` is True on every member of ``comm``."""
+    if comm.Get_size() == 1:
+        return flag
+    mine = np.array([1 if flag else 0], dtype=np.int32)
+    out = np.zeros(1, dtype=np.int32)
+    wait_request(comm.Iallreduce(mine, out, op=MPI.MIN), what, list(range(comm.Get_size())), (mine, out),
+                 timeout_s)
+    return bool(out[0])
