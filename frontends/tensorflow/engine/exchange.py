@@ -1,0 +1,143 @@
+"""Exchange ops: where a boundary tensor crosses ranks, as one differentiable op per crossing point.
+
+Each exchange op sends and receives through the transport inside ``tf.numpy_function(stateful=True)``
+and is a ``tf.custom_gradient`` function, so backward crosses the same cut in the other direction:
+
+- forward: send each tensor of ``sends`` to its destination ranks (non-blocking), receive each
+  tensor of ``recvs`` (blocking, failure-aware, with a timeout);
+- backward: send the upstream gradient of each received differentiable tensor back to its source,
+  then receive (and sum over destinations) the gradient of each sent tensor.
+
+All exchange ops of a rank are chained through a scalar *chain* tensor (in and out), the last one
+produces the model outputs, and the first one also takes the *anchors*: ``tf.identity`` reads of
+the trainable variables this rank does not own, whose gradient is zero. So on every rank every
+exchange op lies on the path from ``model.trainable_variables`` to the loss: a tape or
+``tf.gradients`` runs every exchange's backward (in reverse order, the order the peers expect)
+and returns a tensor for every variable, never None. In a ``tf.function`` the stateful
+numpy_functions run in creation order (automatic control dependencies), which is the same global
+stage order on every rank, hence no deadlock: sends never block, and a receive waits only for a
+tensor an earlier stage produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["Recv", "Send", "exchange", "recv_op", "send_op"]
+
+
+@dataclass(frozen=True)
+class Send:
+    """One destination of a sent tensor: global rank, forward tag, backward tag, and what it is."""
+
+    dest: int
+    tag: int
+    grad_tag: int | None
+    what: str
+
+
+@dataclass(frozen=True)
+class Recv:
+    """One received tensor: its shape and dtype, source rank, tags (``grad_tag`` None: no gradient back)."""
+
+    shape: tuple[int, ...]
+    dtype: tf.DType
+    src: int
+    tag: int
+    grad_tag: int | None
+    what: str
+
+
+def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str) -> tf.Tensor:
+    """A non-blocking send of ``tensor``; returns an int32 token (completed by the step's flush)."""
+
+    def send(array: np.ndarray) -> np.int32:
+        transport.isend(np.ascontiguousarray(array), dest, tag, what)
+        return np.int32(0)
+
+    return tf.numpy_function(send, [tensor], tf.int32, stateful=True, name="smp_send")
+
+
+def recv_op(transport: Any, spec: Recv | tuple[tuple[int, ...], tf.DType, int, int, str],
+            deps: Sequence[tf.Tensor]) -> tf.Tensor:
+    """A blocking receive (after ``deps``) of a tensor described by ``spec``."""
+    if isinstance(spec, Recv):
+        shape, dtype, src, tag, what = spec.shape, spec.dtype, spec.src, spec.tag, spec.what
+    else:
+        shape, dtype, src, tag, what = spec
+    np_dtype = dtype.as_numpy_dtype
+
+    def recv(*_: Any) -> np.ndarray:
+        return np.asarray(transport.recv(shape, np_dtype, src, tag, what), dtype=np_dtype).reshape(shape)
+
+    out = tf.numpy_function(recv, list(deps), dtype, stateful=True, name="smp_recv")
+    out.set_shape(shape)
+    return out
+
+
+def _differentiable(dtype: tf.DType) -> bool:
+    return bool(dtype.is_floating or dtype.is_complex)
+
+
+def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, Sequence[Send]]],
+             recvs: Sequence[Recv], passthrough: Sequence[tf.Tensor] = (),
+             anchors: Sequence[tf.Tensor] = ()) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+    """One crossing point on this rank.
+
+    Args:
+        transport: ``isend(array, dest, tag, what)`` / ``recv(shape, dtype, src, tag, what)``.
+        chain: the previous exchange's chain output (or a zero scalar for the first).
+        sends: each tensor to send with its destinations.
+        recvs: the tensors to receive.
+        passthrough: local tensors returned unchanged (the model outputs this rank computed);
+            their gradient passes through.
+        anchors: variable reads to connect to the loss; their gradient is zero.
+
+    Returns:
+        (chain out, received tensors, passthrough tensors).
+    """
+    n_send, n_recv, n_pass = len(sends), len(recvs), len(passthrough)
+    dests = [d for _, d in sends]
+
+    @tf.custom_gradient
+    def op(*args: tf.Tensor) -> Any:
+        chain_in = args[0]
+        sent = args[1:1 + n_send]
+        tokens = [send_op(transport, t, d.dest, d.tag, d.what) for t, ds in zip(sent, dests) for d in ds]
+        received = [recv_op(transport, r, [chain_in, *tokens]) for r in recvs]
+        with tf.control_dependencies([*tokens, *received]):
+            chain_out = tf.identity(chain_in)
+        passed = [tf.identity(t) for t in args[1 + n_send:1 + n_send + n_pass]]
+
+        def grad(*ups: tf.Tensor | None) -> list[tf.Tensor | None]:
+            d_chain = ups[0] if ups[0] is not None else tf.zeros((), chain_in.dtype)
+            back = []
+            for r, u in zip(recvs, ups[1:1 + n_recv]):
+                if r.grad_tag is None or not _differentiable(r.dtype):
+                    continue
+                u = tf.zeros(r.shape, r.dtype) if u is None else u
+                back.append(send_op(transport, u, r.src, r.grad_tag, f"gradient of {r.what}"))
+            d_sent: list[tf.Tensor | None] = []
+            for t, ds in zip(sent, dests):
+                if not _differentiable(t.dtype):
+                    d_sent.append(None)
+                    continue
+                spec = tuple(t.shape.as_list())
+                parts = [recv_op(transport, (spec, t.dtype, d.dest, d.grad_tag, f"gradient of {d.what}"),
+                                 [d_chain, *back]) for d in ds if d.grad_tag is not None]
+                d_sent.append(tf.add_n(parts) if parts else tf.zeros_like(t))
+            with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
+                d_chain_in = tf.zeros_like(chain_in)
+            d_pass = list(ups[1 + n_recv:1 + n_recv + n_pass])
+            d_anchor = [tf.zeros_like(a) for a in args[1 + n_send + n_pass:]]
+            return [d_chain_in, *d_sent, *d_pass, *d_anchor]
+
+        return [chain_out, *received, *passed], grad
+
+    outs = op(chain, *[t for t, _ in sends], *passthrough, *anchors)
+    return outs[0], list(outs[1:1 + n_recv]), list(outs[1 + n_recv:])

@@ -1,0 +1,41 @@
+"""The engine's view of the runtime: this rank's pipeline group, its transport, and object broadcasts.
+
+Everything the engine needs from ``smp.tensorflow.runtime`` goes through here, so the engine is
+bound to the runtime in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import smp.state as smp_state
+from smp.errors import NotInitializedError
+from smp.topology import GroupKind
+
+from .executor import Link
+
+__all__ = ["current_link", "pp_broadcast"]
+
+
+def _runtime() -> Any:
+    if not smp_state.current().initialized:
+        raise NotInitializedError("smp.DistributedModel needs smp.init() first. Fix: call smp.init(config) "
+                                  "at the top of the script, before the first step")
+    from ..runtime import runtime
+
+    return runtime()
+
+
+def current_link() -> Link:
+    """This rank's pipeline group and transport."""
+    rt = _runtime()
+    ranks = tuple(rt.group_ranks[GroupKind.PP])
+    me = ranks.index(smp_state.current().rank)
+    return Link(pp_rank=me, ranks=ranks, transport=rt.transport, max_tag=int(rt.transport.max_tag))
+
+
+def pp_broadcast(obj: Any, what: str) -> Any:
+    """``obj`` of pipeline rank 0 on every rank of this rank's pipeline group."""
+    from ..runtime.comm import CommGroup, broadcast
+
+    return broadcast(obj, CommGroup.PP_GROUP)

@@ -1,0 +1,248 @@
+"""``smp.DistributedModel``: a Keras 3 ``Model`` whose ``call()`` runs split across the pipeline ranks.
+
+Users subclass it as they subclass ``keras.Model`` (SMP v1 TF). ``model(x)`` works only inside an
+``@smp.step`` body, which runs on every rank; each call there runs only this rank's part of
+``call()`` and returns the model outputs on every rank. At the first call of each input signature:
+
+1. ``call()`` is traced once at the microbatch's input spec (`partitioning.trace`); the first trace
+   also builds the variables. Every rank builds every variable, then takes pipeline rank 0's
+   values (a broadcast that also checks that every rank built the same variables);
+2. ops are placed (`partitioning.decide`: ``smp.partition`` scopes, or the auto-partitioner),
+   variables get owners, the trace is cut into stages (`engine.stages`) and this rank's stages
+   are pruned into functions;
+3. the ``register_post_partition_hook`` functions run (once per model), then the first forward.
+
+Steps 1-3 run eagerly in a short-lived thread (`_in_fresh_thread` says why).
+
+Gradients: ``tape.gradient(loss, model.trainable_variables)`` and
+``optimizer.get_gradients(loss, ...)`` return a tensor for every variable on every rank (zeros for
+the variables another rank owns). After ``optimizer.apply_gradients`` a variable is correct on
+its owner (`DistributedModel.variable_owner`); on the other ranks it keeps its initial value
+(it is never read there: those ranks do not run the ops that read it).
+
+Example:
+    >>> class Model(smp.DistributedModel):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.d1 = keras.layers.Dense(32, activation="relu")
+    ...         self.d2 = keras.layers.Dense(10)
+    ...     def call(self, x):
+    ...         with smp.partition(0):
+    ...             h = self.d1(x)
+    ...         with smp.partition(1):
+    ...             return self.d2(h)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import smp.state as smp_state
+from smp.errors import SMPError
+from smp.partition import PartitionScopes
+
+from ..engine.executor import PartitionedCall
+from ..engine.link import current_link, pp_broadcast
+from ..engine.stages import StagePlan, plan_stages
+from ..engine.timeline import ActionLog
+from ..partitioning.decide import decide, placement_table
+from ..partitioning.trace import input_signature, trace_call
+from ..state import TFState, tf_state
+from .hooks import run_post_partition_hooks
+
+__all__ = ["DistributedModel"]
+
+logger = logging.getLogger("smp.tensorflow")
+
+
+@dataclass
+class _Partitioned:
+    """What one input signature of the model was turned into."""
+
+    plan: StagePlan
+    runner: PartitionedCall
+
+
+@dataclass
+class _ModelState:
+    """The model's smp bookkeeping (one attribute, so Keras tracks none of it)."""
+
+    programs: dict[Any, _Partitioned] = field(default_factory=dict)
+    owners: dict[int, int] | None = None
+    tf_state: TFState | None = None
+    calls: dict[tuple[int, int], int] = field(default_factory=dict)
+    log: ActionLog = field(default_factory=ActionLog)
+    hooks_ran: bool = False
+    pp_rank: int = 0
+
+
+class DistributedModel(keras.Model):
+    """A Keras model partitioned across the pipeline ranks (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._smp = _ModelState()
+        cfg = smp_state.current().cfg
+        self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section()) if cfg is not None else None
+
+    # -- what users and tests read -----------------------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        """Whether the first step has partitioned the model."""
+        return bool(self._smp.programs)
+
+    def variable_owner(self, variable: Any) -> int | None:
+        """The pipeline rank that owns ``variable`` (an element of ``variables``, or its index)."""
+        index = variable if isinstance(variable, int) else self._variable_index(variable)
+        owners = self._smp.owners or {}
+        return owners.get(index, 0) if self.partitioned else None
+
+    def is_local_variable(self, variable: Any) -> bool:
+        """Whether this rank owns ``variable`` (so its value here is the trained one)."""
+        return self.variable_owner(variable) == self._smp.pp_rank
+
+    @property
+    def step_actions(self) -> list[list[tuple[int, str, int]]]:
+        """The last steps' actions on this rank, each ``[(microbatch, "F" | "B", stage), ...]`` in run order."""
+        return list(self._smp.log.steps)
+
+    def stage_plan(self) -> StagePlan:
+        """The stages of the first partitioned input signature (for tests and reports)."""
+        if not self._smp.programs:
+            raise SMPError("the model is not partitioned yet: it is partitioned by its first call inside an smp.step")
+        return next(iter(self._smp.programs.values())).plan
+
+    def _variable_index(self, variable: Any) -> int:
+        for i, v in enumerate(self.variables):
+            if v is variable:
+                return i
+        raise SMPError(f"{variable!r} is not a variable of this model")
+
+    # -- the call ----------------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = tf_state()
+        if st.microbatch is None:
+            raise SMPError(
+                f"{type(self).__name__}(...) was called outside an smp.step: a DistributedModel runs only "
+                "inside a function decorated with @smp.step (SMP v1 rule). Fix: call the model in the "
+                "@smp.step body, e.g. `@smp.step def get_grads(x, y): preds = model(x); ...`")
+        if self._smp.tf_state is not None and self._smp.tf_state is not st:
+            raise SMPError(f"this {type(self).__name__} was partitioned before smp.reset(); build a new model "
+                           "after smp.init()")
+        _, key = input_signature(args, kwargs)
+        program = self._smp.programs.get(key)
+        if program is None:
+            program = _in_fresh_thread(lambda: self._partition(args, kwargs, st))
+            self._smp.programs[key] = program
+        slot = (st.step_traces, st.microbatch)
+        call = self._smp.calls.get(slot, 0)
+        self._smp.calls = {slot: call + 1}
+        flat = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten((args, kwargs))
+                if isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray))]
+        outs = program.runner(flat, step_trace=st.step_traces, microbatch=st.microbatch, call=call,
+                              num_microbatches=st.num_microbatches)
+        return tf.nest.pack_sequence_as(program.plan.traced.output_structure, outs)
+
+    # -- partitioning (eager, under tf.init_scope) --------------------------------------------
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any], st: TFState) -> _Partitioned:
+        cfg = smp_state.current().cfg
+        link = current_link()
+        self._smp.pp_rank = link.pp_rank
+        pp_size = len(link.ranks)
+        st.model = self
+        if self._smp_scopes is None:
+            self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section())
+        first = self._smp.owners is None
+        traced = trace_call(self, args, kwargs, call=keras.Model.__call__)
+        if first and pp_size > 1:
+            self._agree_on_variables()
+        placement = decide(traced, pp_size=pp_size, cfg=cfg, owners=self._smp.owners,
+                           broadcast=(lambda obj: pp_broadcast(obj, "the op placement")) if pp_size > 1 else None,
+                           is_root=link.pp_rank == 0)
+        self._smp.owners = placement.owners
+        plan = plan_stages(traced, placement, pp_size)
+        for stage in plan.stages:
+            if stage.partition == link.pp_rank:
+                plan.function(stage)
+        if first:
+            logger.info("smp.tensorflow: %s placement of %s\n%s\n%s", placement.method, type(self).__name__,
+                        placement_table(traced, placement, pp_size), plan.describe())
+        index = {id(v): i for i, v in enumerate(self.variables)}
+        trainable = list(self.trainable_variables)
+        not_mine = [v for v in trainable if placement.owners.get(index[id(v)], -1) != link.pp_rank]
+        if pp_size > 1 and len(not_mine) == 0 and trainable:
+            not_mine = trainable[:1]
+        runner = PartitionedCall(plan, link, not_mine if pp_size > 1 else [], self._smp.log)
+        if self._smp.tf_state is None:
+            self._smp.tf_state = st
+            transport = link.transport
+            log = self._smp.log
+            st.finish_step.append(lambda outputs: _after_sends(outputs, transport, log))
+        if not self._smp.hooks_ran:
+            self._smp.hooks_ran = True
+            run_post_partition_hooks()
+        return _Partitioned(plan=plan, runner=runner)
+
+    def _agree_on_variables(self) -> None:
+        """Every rank takes pipeline rank 0's variable values; fails naming the first mismatch."""
+        prefix = self.name + "/"
+        mine = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, tuple(v.shape), str(v.dtype))
+                for v in self.variables]
+        sent = pp_broadcast((mine, [np.asarray(v.numpy()) for v in self.variables]),
+                            "the DistributedModel's initial variable values")
+        names, values = sent
+        for i, (a, b) in enumerate(zip(mine, names)):
+            if a != b:
+                raise SMPError(f"variable {i} differs between this rank and pipeline rank 0: {a} here, {b} there. "
+                               "Fix: build the same model on every rank (same layers in the same order)")
+        if len(mine) != len(names):
+            raise SMPError(f"this rank built {len(mine)} variables, pipeline rank 0 built {len(names)}. Fix: build "
+                           "the same model on every rank")
+        for v, value in zip(self.variables, values):
+            v.assign(value)
+
+
+def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a new thread: eager, outside the caller's ``tf.function`` (see below), re-raising its error.
+
+    The first call usually happens while the user's step is being traced. Keras creates the variables
+    there, and a ``tf.function`` trace captures variable creation (its variable creator scope holds
+    even under ``tf.init_scope``) and retraces the whole step afterwards. A new thread starts with
+    TensorFlow's and Keras' thread-local state empty: eager mode, no creator scope, no outer call.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="smp-partition")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _after_sends(outputs: list[Any], transport: Any, log: ActionLog) -> list[Any]:
+    """The step's outputs, made to wait for this rank's pending sends (and closing the step's action log)."""
+
+    def flush() -> np.int32:
+        transport.flush("the pipeline sends of this step")
+        log.end_step()
+        return np.int32(0)
+
+    token = tf.numpy_function(flush, [], tf.int32, stateful=True, name="smp_flush")
+    with tf.control_dependencies([token]):
+        return [tf.identity(o) if isinstance(o, tf.Tensor) else o for o in outputs]

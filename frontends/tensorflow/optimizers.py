@@ -1,0 +1,83 @@
+"""``optimizer.get_gradients(loss, params)`` on Keras 3 optimizers: the SMP v1 spelling, brought back.
+
+Keras 3 optimizers have no ``get_gradients`` (Keras 2's ``OptimizerV2`` had it, and SMP v1 TF
+scripts call it inside ``@smp.step``). `install` adds it to ``keras.optimizers.Optimizer``, the
+base class of every Keras 3 optimizer (``tf.keras.optimizers.Optimizer`` is the same class), as
+
+    ``tf.gradients(loss, params, unconnected_gradients="zero")``
+
+so it returns one tensor per parameter, never None (a parameter the loss does not reach gets
+zeros), which is what ``[g.accumulate() for g in grads]`` needs on every rank. ``tf.gradients``
+exists only in graph mode: outside a traced function (``@smp.step`` always traces its body) the
+method raises, naming ``smp.step``. `uninstall` removes exactly what `install` added.
+
+``compute_gradients``: not added. It is the TF1 ``tf.compat.v1.train.Optimizer`` method (returning
+``(gradient, variable)`` pairs), never a Keras optimizer method, so no SMP v1 TF2 script calls it
+on a Keras optimizer; adding a second, non-Keras spelling would only widen the patched surface.
+Scripts on TF1 optimizers keep TF's own ``compute_gradients``, which works inside a step as is.
+
+Example:
+    >>> install()
+    >>> @smp.step
+    ... def get_grads(x, y):
+    ...     loss = loss_obj(y, model(x))
+    ...     return optimizer.get_gradients(loss, model.trainable_variables), loss
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from smp.errors import SMPError
+
+__all__ = ["get_gradients", "install", "installed", "uninstall"]
+
+
+def get_gradients(self: Any, loss: tf.Tensor, params: Sequence[Any]) -> list[tf.Tensor]:
+    """The gradients of ``loss`` with respect to ``params`` (Keras 2 ``Optimizer.get_gradients``).
+
+    Args:
+        loss: a scalar loss tensor of the traced step.
+        params: the variables (``model.trainable_variables``).
+
+    Returns:
+        One tensor per parameter, in order; zeros where the loss does not depend on it.
+
+    Raises:
+        SMPError: called eagerly (``tf.gradients`` needs a graph; ``@smp.step`` provides one).
+    """
+    if tf.executing_eagerly():
+        raise SMPError(
+            "optimizer.get_gradients(loss, params) works only in graph mode, i.e. inside an @smp.step "
+            "function (which traces its body). Fix: call it in the @smp.step body, or use tf.GradientTape")
+    params = list(params)
+    tensors = [p.value if isinstance(p, keras.Variable) else p for p in params]
+    grads = tf.gradients(loss, tensors, unconnected_gradients="zero")
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+def install() -> None:
+    """Add ``get_gradients`` to ``keras.optimizers.Optimizer`` (idempotent; ``smp.init`` calls it)."""
+    base = keras.optimizers.Optimizer
+    if getattr(base, "get_gradients", None) is get_gradients:
+        return
+    if "get_gradients" in base.__dict__:
+        raise SMPError("keras.optimizers.Optimizer already has a get_gradients that smp did not add; "
+                       "smp.tensorflow leaves it alone. Fix: remove the other patch")
+    base.get_gradients = get_gradients
+
+
+def uninstall() -> None:
+    """Remove what `install` added (``smp.reset`` calls it)."""
+    base = keras.optimizers.Optimizer
+    if base.__dict__.get("get_gradients") is get_gradients:
+        del base.get_gradients
+
+
+def installed() -> bool:
+    """Whether `install` is in effect."""
+    return keras.optimizers.Optimizer.__dict__.get("get_gradients") is get_gradients

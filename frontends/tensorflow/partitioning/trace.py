@@ -1,0 +1,152 @@
+"""One trace of ``DistributedModel.call`` at a microbatch's input spec: the op graph the partitioner cuts.
+
+`trace_call` wraps the model's Keras ``__call__`` in ``tf.compat.v1.wrap_function`` (a graph that
+is never run as a whole: the engine prunes one function per stage out of it). The first trace also
+builds the model, since Keras creates variables on the first call and lifts them out of the graph.
+What comes back (`TracedCall`) names, for every op that touches a variable (a ``ReadVariableOp``,
+a BatchNorm ``AssignVariableOp``, a dropout seed update), the index of that variable in
+``model.variables``, the key every rank agrees on (raw variable paths differ between processes
+when a script builds two models).
+
+Example:
+    >>> traced = trace_call(model, (x,), {"training": True}, call=keras.Model.__call__)
+    >>> [op.type for op in traced.ops][:3]
+    ['ReadVariableOp', 'MatMul', 'ReadVariableOp']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from smp.errors import SMPError
+
+__all__ = ["TracedCall", "input_signature", "trace_call"]
+
+# Ops that are never partitioned: recomputed by every stage that needs them, never sent.
+FREE_TYPES = frozenset({"Const", "Placeholder"})
+
+
+@dataclass
+class TracedCall:
+    """The traced forward of one call signature.
+
+    Attributes:
+        wrapped: the ``wrap_function`` result (``.prune`` makes the stage functions).
+        inputs: the placeholders of the tensor leaves of the call's arguments, in flat order.
+        outputs: the flat output tensors; ``output_structure`` rebuilds the returned structure.
+        ops: the forward ops in program order, without Const/Placeholder.
+        var_of_op: op name -> index in ``model.variables`` of the variable the op reads or writes.
+        var_of_read: ``ReadVariableOp`` name -> its variable (what the auto-partitioner takes).
+    """
+
+    wrapped: Any
+    inputs: list[tf.Tensor]
+    outputs: list[tf.Tensor]
+    output_structure: Any
+    ops: list[tf.Operation]
+    var_of_op: dict[str, int]
+    var_of_read: dict[str, Any]
+
+    @property
+    def graph(self) -> tf.Graph:
+        return self.wrapped.graph
+
+
+def input_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[tf.TensorSpec], Any]:
+    """The TensorSpecs of the tensor leaves of ``(args, kwargs)`` and a hashable key of the rest.
+
+    Non-tensor leaves (``training=True``) are part of the key: they are constants of the trace.
+    """
+    specs: list[tf.TensorSpec] = []
+    key: list[Any] = []
+    for leaf in tf.nest.flatten((args, kwargs)):
+        if isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray)):
+            t = tf.convert_to_tensor(leaf)
+            specs.append(tf.TensorSpec(t.shape, t.dtype))
+            key.append(("tensor", tuple(t.shape.as_list()), t.dtype.name))
+        else:
+            key.append(("const", repr(leaf)))
+    return specs, (tf.nest.map_structure(lambda _: 0, (args, kwargs)).__repr__(), tuple(key))
+
+
+def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], tensor_pos: list[int],
+           specs: list[tf.TensorSpec]) -> None:
+    """Create the model's variables before the trace, with Keras' own symbolic build.
+
+    Keras builds a subclassed model on its first call by running ``call()`` on symbolic tensors in
+    a stateless scope (nothing is assigned: no BatchNorm update, no seed consumed) and initializes
+    the variables when the outermost such scope closes. Inside ``wrap_function`` that scope is not
+    the outermost, so the variables stayed uninitialized and the trace would read their
+    initializers' values as constants; building first, eagerly, avoids that.
+    """
+    if model.built and all(getattr(v, "_value", True) is not None for v in model.variables):
+        return
+    leaves = list(flat)
+    for pos, spec in zip(tensor_pos, specs):
+        leaves[pos] = keras.KerasTensor(spec.shape.as_list(), spec.dtype.name)
+    a, k = tf.nest.pack_sequence_as((args, kwargs), leaves)
+    model.compute_output_spec(*a, **k)
+    # Keras' marker of a deferred variable (private, stable across Keras 3): None until initialized.
+    pending = [v.path for v in model.variables if getattr(v, "_value", True) is None]
+    if pending:
+        raise SMPError(f"{type(model).__name__}: Keras left variables uninitialized after building: {pending[:5]}. "
+                       "Fix: create the layers' variables in build() or __init__")
+
+
+def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               call: Callable[..., Any]) -> TracedCall:
+    """Trace ``call(model, *args, **kwargs)`` once at the specs of the tensor leaves of the arguments.
+
+    Args:
+        model: the Keras model (its ``variables`` are mapped to the captured resources).
+        args, kwargs: the arguments of this call (graph tensors of the step are fine: only their
+            specs are used).
+        call: the unpartitioned ``__call__`` (``keras.Model.__call__``).
+
+    Raises:
+        SMPError: the call returns something that is not a structure of tensors.
+    """
+    flat = tf.nest.flatten((args, kwargs))
+    tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray))]
+    specs, _ = input_signature(args, kwargs)
+    holder: dict[str, Any] = {}
+
+    def body(*tensors: tf.Tensor) -> Any:
+        leaves = list(flat)
+        for pos, t in zip(tensor_pos, tensors):
+            leaves[pos] = t
+        a, k = tf.nest.pack_sequence_as((args, kwargs), leaves)
+        out = call(model, *a, **k)
+        holder["structure"] = out
+        return tf.nest.flatten(out)
+
+    _build(model, args, kwargs, flat, tensor_pos, specs)
+    wrapped = tf.compat.v1.wrap_function(body, specs)
+    graph = wrapped.graph
+    outputs = list(wrapped.outputs)
+    if len(outputs) != len(tf.nest.flatten(holder["structure"])):
+        raise SMPError(f"{type(model).__name__}.call must return tensors (or a nest of tensors); got "
+                       f"{holder['structure']!r}. Fix: return only the tensors you need (they are sent to every rank)")
+    by_handle = {id(v.handle): i for i, v in enumerate(model.variables)}
+    resource_var = {internal.name: by_handle[id(ext)] for ext, internal in graph.captures if id(ext) in by_handle}
+    var_of_op: dict[str, int] = {}
+    var_of_read: dict[str, Any] = {}
+    ops = []
+    for op in graph.get_operations():
+        if op.type in FREE_TYPES:
+            continue
+        ops.append(op)
+        for t in op.inputs:
+            if t.name in resource_var:
+                var_of_op[op.name] = resource_var[t.name]
+                if op.type == "ReadVariableOp":
+                    var_of_read[op.name] = model.variables[resource_var[t.name]]
+                break
+    return TracedCall(wrapped=wrapped, inputs=list(wrapped.inputs[: len(specs)]), outputs=outputs,
+                      output_structure=holder["structure"], ops=ops, var_of_op=var_of_op, var_of_read=var_of_read)
