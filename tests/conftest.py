@@ -26,11 +26,15 @@ from tests.helpers.strict_skips import (  # noqa: E402,F401 - hooks, found by na
 @pytest.fixture(autouse=True)
 def _clean_smp_state() -> Iterator[None]:
     yield
-    if "smp.torch" in sys.modules:
+    import smp.state
+
+    if "smp.tensorflow" in sys.modules and smp.state.current().framework == "tensorflow":
+        from smp.tensorflow.runtime.init import reset as tf_reset
+
+        tf_reset()  # frees the MPI communicators too
+    elif "smp.torch" in sys.modules:
         from smp.torch.runtime.init import reset
 
         reset()
     else:
-        import smp.state
-
         smp.state.reset()
