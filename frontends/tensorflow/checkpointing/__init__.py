@@ -1,3 +1,5 @@
-"""smp.tensorflow.checkpointing."""
+"""smp.tensorflow.checkpointing: ``smp.CheckpointManager`` (manager.py) and the unpartitioned ``save_model`` (saving.py)."""
 
-__all__: list[str] = []
+from .manager import CheckpointManager
+
+__all__ = ["CheckpointManager"]
