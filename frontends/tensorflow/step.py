@@ -265,9 +265,13 @@ def step(func: Callable[..., Any] | None = None, input_signature: Any = None, au
             batch that cannot be split evenly (when called).
         NotInitializedError: called before ``smp.init``.
 
-    Example:
-        >>> @smp.step(input_signature=[tf.TensorSpec([None, 784]), tf.TensorSpec([None], tf.int64)])
-        ... def get_grads(images, labels): ...
+    Example (after ``smp.init({"microbatches": 2})``):
+        >>> @smp.step(input_signature=[tf.TensorSpec([None, 3])])
+        ... def double(x):
+        ...     return x * 2
+        >>> out = double(tf.ones((4, 3)))
+        >>> len(out), out.merge().shape
+        (2, TensorShape([4, 3]))
     """
     def wrap(f: Callable[..., Any]) -> StepFunction:
         return StepFunction(f, input_signature, autograph, non_split_inputs, input_split_axes, tf_function_kwargs)

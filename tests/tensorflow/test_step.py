@@ -1,7 +1,7 @@
 """smp.step for TensorFlow in one process: split rules, tracing, the TFState contract, outer tf.function.
 
-The configuration is resolved by the core and installed with ``smp.state.override`` (world 1, as
-``smp.init`` does); the steps, tensors and Keras models are real.
+``smp.init`` runs at world 1 (one process, no launcher) before each test; the steps, tensors and
+Keras models are real.
 """
 
 from __future__ import annotations
@@ -17,33 +17,31 @@ from typing import Any  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import smp.tensorflow as smp_tf  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from smp.tensorflow.state import tf_state  # noqa: E402
 from smp.tensorflow.step import FinishStepError, StepFunctionCalledError, step  # noqa: E402
 from smp.tensorflow.step_output import StepOutput  # noqa: E402
 
-import smp.state  # noqa: E402
-from smp.config.resolve import resolve  # noqa: E402
 from smp.errors import NotInitializedError, TensorSplitError  # noqa: E402
 
 X = np.arange(48, dtype=np.float32).reshape(8, 6)
 
 
 def configure(microbatches: int = 4) -> None:
-    smp.state.reset()
-    smp.state.update(cfg=resolve({"microbatches": microbatches}, world_size=1, framework="tensorflow"),
-                     framework="tensorflow")
+    smp_tf.reset()
+    smp_tf.init({"microbatches": microbatches})
 
 
 @pytest.fixture(autouse=True)
 def initialized() -> Iterator[None]:
     configure(4)
     yield
-    smp.state.reset()
+    smp_tf.reset()
 
 
 def test_not_initialized_raises() -> None:
-    smp.state.reset()
+    smp_tf.reset()
 
     @step
     def f(x: tf.Tensor) -> tf.Tensor:
@@ -284,3 +282,17 @@ def test_tf_function_options_pass_through_and_unknown_ones_fail_at_decoration() 
     assert tf_state().step_traces <= 2  # reduce_retracing generalises the batch dimension to None
     with pytest.raises(TensorSplitError, match="its size along axis 0 is 6"):
         f(np.ones((6, 2), np.float32))
+
+
+def test_docstring_examples() -> None:
+    import doctest
+    import types
+
+    from smp.tensorflow import step as step_module
+
+    configure(2)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    globs = {"smp": types.SimpleNamespace(step=step), "tf": tf}  # smp.step once the package exports it
+    for test in doctest.DocTestFinder().find(step_module, globs=globs):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 3
