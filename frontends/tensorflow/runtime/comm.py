@@ -59,9 +59,8 @@ from smp.runtime.ranks import (
 )
 from smp.runtime.ranks import group_kind as _kind
 
-from . import failure
 from .init import runtime
-from .mpi import allgather_objects, wait_request
+from .mpi import allgather_objects, poll, wait_request
 
 __all__ = [
     "DP_GROUP", "MP_GROUP", "OBJECT_TAG", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",
@@ -128,7 +127,7 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
     if src == rank():
         raise ValueError(f"smp.recv_from itself ({rank_type.name} {src_rank} is this rank)")
     probe = _ProbeWork(runtime().object_comm, src)
-    failure.wait(probe, f"recv of an object from rank {src}", src)
+    poll(probe, f"recv of an object from rank {src}", src)
     assert probe.message is not None
     buf = np.empty(probe.status.Get_count(MPI.BYTE), dtype=np.uint8)
     probe.message.Recv([buf, MPI.BYTE])

@@ -1,9 +1,10 @@
 """mpi4py requests as the failure protocol's work handles, and pickled-object collectives that never hang.
 
 Every wait on another rank in smp.tensorflow goes through `wait_request`: the request is polled
-(``Test``) by the core's `smp.runtime.failure.wait`, which checks the job's failure record and the
-peers' heartbeats between polls and gives up after ``comm_timeout`` naming the peer. The poll runs
-in the calling thread (the core's ``p2p=False`` path): MPI requests report completion, unlike
+(``Test``) by `poll`, which checks the job's failure record and the peers' heartbeats between
+polls (the core's `check_peers`) and gives up after ``comm_timeout`` naming the peer (the core's
+`timeout_error`). It is the core's `smp.runtime.failure.wait` procedure with MPI's poll interval
+(see `poll` for why). The poll runs in the calling thread: MPI requests report completion, unlike
 gloo's, so no helper thread is needed, and concurrent waits from several TF executor threads never
 queue behind each other.
 
@@ -14,6 +15,7 @@ kept referenced in `_ABANDONED` so MPI never writes into freed memory (the job i
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,9 @@ from smp.runtime import failure as core_failure
 __all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "wait_request"]
 
 _ABANDONED: list[tuple[Any, Any]] = []
+_CHECK_EVERY_S = 0.05  # failure record and heartbeats, as often as the core checks them
+_SPIN_S = 0.0005  # test without pausing this long: a reply already on its way
+_PAUSE_S = 0.00005
 
 
 class RequestWork:
@@ -62,11 +67,43 @@ def wait_request(request: MPI.Request, what: str, peers: int | list[int], keep: 
     """
     work = RequestWork(request, keep, status)
     try:
-        core_failure.wait(work, what, peers, timeout_s)
+        poll(work, what, peers, timeout_s)
     except BaseException:
         if request != MPI.REQUEST_NULL:
             _ABANDONED.append((request, keep))
         raise
+
+
+def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None = None) -> None:
+    """The core's wait (`smp.runtime.failure.wait`) with MPI's polling: at most ~0.1 ms between tests.
+
+    MPI moves a message (or a collective's next round) only inside MPI calls, so the gap between two
+    ``Test`` calls is latency added to every step of a transfer: the core's loop backs off to 2 ms
+    (right for gloo, whose own threads make progress) and made a 1 MiB allreduce take 14 ms here
+    instead of about 1 ms. The checks, the errors and their texts are the core's (`check_peers`,
+    `timeout_error`, the heartbeat's activity), as in `smp.runtime.failure.wait`.
+    """
+    ch = core_failure.channel()
+    hb = ch.heartbeat if ch is not None else None
+    ranks = [peers] if isinstance(peers, int) else list(peers)
+    limit = timeout_s if timeout_s is not None else (ch.timeout_s if ch is not None else 300.0)
+    if hb is not None:
+        hb.set_activity(what)  # peers that time out can tell whether this rank was in the same wait
+    try:
+        start = time.monotonic()
+        next_check = start + _CHECK_EVERY_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                core_failure.check_peers(ranks, what)
+                next_check = now + _CHECK_EVERY_S
+            if now - start > limit:
+                raise core_failure.timeout_error(what, ranks, limit)
+            if now - start > _SPIN_S:
+                time.sleep(_PAUSE_S)  # lets the other ranks (and TF's threads) have the core
+    finally:
+        if hb is not None:
+            hb.set_activity(None)
 
 
 def _members(comm: MPI.Comm, ranks: list[int] | None) -> list[int]:

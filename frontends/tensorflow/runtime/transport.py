@@ -11,8 +11,9 @@ Sends never block: `isend` copies the array (TF may reuse its buffer once the ca
 and posts an ``Isend``; the engine completes them with `flush` at the end of a step. A blocking
 send deadlocks a pipeline as soon as a message passes MPICH's eager limit (a 49 KB activation
 already did in the prototype): the send then waits for the matching receive, which the peer posts
-only after its own blocked send. Receives (`recv`) and the collectives poll their request through
-`smp.runtime.failure.wait`: the comm_timeout names the peer, another rank's failure stops them.
+only after its own blocked send. Receives (`recv`), `flush` and the collectives poll their requests through
+`mpi.poll` (the core's wait procedure): the comm_timeout names the peer, another rank's failure
+stops them.
 
 Tags: MPI guarantees tags 0..32767 (``PORTABLE_MAX_TAG``); `Transport.max_tag` is this MPI's
 ``MPI_TAG_UB`` (the mpich 5.0 wheel: 2**29 - 1). Fold step/microbatch/boundary numbers into
@@ -22,10 +23,12 @@ Allreduce of float16/bfloat16 sums in float32 (MPI has no 16-bit float sum) and 
 Collectives on one group must be issued in the same order on every member (MPI's rule): call them
 from one thread, or from stateful TF ops (they run in program order).
 
-Measured (this class, 2 ranks of one mpiexec on the 2-core dev box, shared with other jobs: median
-of 200 round trips, ``isend`` + ``recv`` each way + ``flush``; ``benchmarks``-style script in the
-runtime tests' docstring): 4 KiB float32 **~40 us** round trip, 1 MiB **~0.75 ms** round trip
-(~2.8 GB/s each way). See the TF runtime report for the exact figures and the command.
+Measured through this class (``tests/tensorflow/runtime/bench_transport.py``: 2 ranks of one
+mpiexec on the 2-core dev box, shared with other jobs at load average 5-7; median of 200 round
+trips, each ``isend`` + ``recv`` both ways + ``flush``): 4 KiB **16-20 us** round trip (p90 20-26
+us; some loaded runs 1 ms), 1 MiB **0.46-2.3 ms** round trip (p90 4.5-11 ms); ``allreduce_mean``
+over 2 ranks 15-20 us at 4 KiB, 1.1-1.9 ms at 1 MiB (14 ms before the poll interval in mpi.py was
+cut from the core's 2 ms back-off to 0.05 ms). The load, not the transport, sets the spread.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ class Transport:
         Raises:
             ValueError: the message that arrived has a different size (the two sides disagree on
                 shape or dtype).
-            RemoteRankError, CommTimeoutError: see `smp.runtime.failure.wait`.
+            RemoteRankError, CommTimeoutError: see `mpi.poll`.
         """
         self._check_tag(tag, what)
         self._check_peer(src, what)
