@@ -33,7 +33,8 @@ from smp.partition.opresult import OpPartition
 from smp.partition.ops import partition_op_graph
 from smp.partition.report import PartitionReport
 
-from .lower import SOURCE, LoweredGraph, lower_ops
+from ..state import tf_state
+from .lower import SOURCE, LoweredGraph, lower_ops, model_layer_names
 
 __all__ = ["TFOpPartition", "auto_partition", "partition_ops"]
 
@@ -64,7 +65,8 @@ def _options(cfg: Any) -> tuple[str, bool, float | None]:
     return section.optimize, section.contiguous, weight
 
 
-def partition_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], pp_size: int, cfg: Any) -> TFOpPartition:
+def partition_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], pp_size: int, cfg: Any, *,
+                  model: Any = None) -> TFOpPartition:
     """Partition the forward ops of ``call()`` over ``pp_size`` pipeline ranks.
 
     Args:
@@ -72,6 +74,8 @@ def partition_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], p
         var_of_read: ``ReadVariableOp`` name -> the Keras variable it reads.
         pp_size: pipeline ranks.
         cfg: the resolved configuration (``optimize``, ``contiguous``, ``memory_weight``).
+        model: the traced Keras model, whose layer names make layers without variables (Dropout)
+            groups too; default ``tf_state().model`` (the model being partitioned).
 
     Returns:
         The `TFOpPartition`.
@@ -83,7 +87,10 @@ def partition_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], p
     if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
         raise PartitionError(f"pp_size={pp_size!r}: must be an int >= 1 (pipeline_parallel_degree)")
     optimize, contiguous, weight = _options(cfg)
-    lowered = lower_ops(ops, var_of_read, min_layers=pp_size)
+    if model is None:
+        model = tf_state().model
+    names = model_layer_names(model) if model is not None else None
+    lowered = lower_ops(ops, var_of_read, min_layers=pp_size, layer_names=names)
     graph = lowered.graph
     units = {node.layer for node in graph if node.layer is not None}
     units |= {f"variable {v}" for node in graph if node.layer is None for v in node.variables}
@@ -118,7 +125,8 @@ def partition_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], p
 
 def auto_partition(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], pp_size: int,
                    cfg: Any) -> dict[str, int]:
-    """Op name -> partition for every op of ``ops`` (see `partition_ops`); logs the report on rank 0."""
+    """Op name -> partition for every op of ``ops`` (see `partition_ops`, the model from
+    ``tf_state().model``); logs the report on rank 0."""
     result = partition_ops(ops, var_of_read, pp_size, cfg)
     if smp_state.current().rank == 0:
         logger.info("automatic partition:\n%s", result.report)

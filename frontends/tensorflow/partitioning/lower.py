@@ -14,8 +14,10 @@ it follows. What each node carries:
 - **layer**: the Keras layer the op belongs to: the first name-scope component after the model's
   whose name, with one ``_\\d+`` call suffix stripped, is a layer name (``net_1/blk_1_2/dense_3_1/
   MatMul`` -> ``blk_1``; ``smp_partition_<i>`` scopes are skipped, they are ignored under
-  auto-partitioning). Layer names come from the variables' paths (``net/blk_1/dense_3/kernel``), so
-  a layer without variables is not a group of its own and its ops join a neighbour;
+  auto-partitioning). Layer names are the model's layers (``layer_names``, from the model when the
+  caller has it) and the components of the variables' paths (``net/blk_1/dense_3/kernel``);
+  without the model, a layer that has no variables (Dropout, Flatten) is no group of its own and its
+  ops join a neighbour;
 - **colocation**: TF colocation constraints other than an op's own name (``op.colocation_groups()``);
 - **edges**: every data input from another kept op (bytes = elements x dtype size; shapes are static
   at the microbatch spec), control inputs as 0-byte edges;
@@ -39,7 +41,7 @@ import tensorflow as tf
 
 from smp.partition.opgraph import OpEdge, OpGraph, OpNode
 
-__all__ = ["SOURCE", "LoweredGraph", "lower_ops", "op_cost"]
+__all__ = ["SOURCE", "LoweredGraph", "lower_ops", "model_layer_names", "op_cost"]
 
 SOURCE = "(model input)"
 _CALL_SUFFIX = re.compile(r"_\d+$")
@@ -134,8 +136,9 @@ def op_cost(op: tf.Operation) -> float:
 def _layer_names(var_of_read: Mapping[str, Any]) -> set[str]:
     names: set[str] = set()
     for var in var_of_read.values():
-        parts = _var_name(var).split("/")
-        names.update(parts[1:-1] if len(parts) > 2 else parts[:-1])
+        # "net/blk_1/dense_3/kernel" or, for a model built symbolically, "blk_1/dense_3/kernel": every
+        # component but the variable's own name (the model's name never matches a scope below it).
+        names.update(_var_name(var).split("/")[:-1])
     return names
 
 
@@ -165,7 +168,16 @@ def _layer_of(op_name: str, names: set[str], depth: int) -> str | None:
     return "/".join(found) if found else None
 
 
-def lower_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], min_layers: int = 1) -> LoweredGraph:
+def model_layer_names(model: Any) -> set[str]:
+    """The names of every layer inside a Keras model (nested ones included; not the model's own)."""
+    flatten = getattr(model, "_flatten_layers", None)  # Keras 3 (private, stable); public .layers is one level
+    if callable(flatten):
+        return {layer.name for layer in flatten(include_self=False, recursive=True)}
+    return {layer.name for layer in getattr(model, "layers", ())}
+
+
+def lower_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], min_layers: int = 1,
+              layer_names: set[str] | None = None) -> LoweredGraph:
     """Build the op graph of a traced ``call()``.
 
     Args:
@@ -173,6 +185,7 @@ def lower_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], min_l
         var_of_read: ``ReadVariableOp`` name -> the Keras (or tf) variable it reads.
         min_layers: the layer scopes go one level deeper (up to 3) while the model has fewer
             distinct layers than this (a model whose blocks sit in one ``keras.Sequential``).
+        layer_names: the model's layer names (`model_layer_names`), when the caller has the model.
 
     Returns:
         The `LoweredGraph`.
@@ -195,7 +208,7 @@ def lower_ops(ops: Sequence[tf.Operation], var_of_read: Mapping[str, Any], min_l
                 or any(t.op.type == "Placeholder" and t.dtype != tf.resource for t in op.inputs)
                 or any(t.op.name in live for t in op.inputs) or any(c.name in live for c in op.control_inputs)):
             live.add(op.name)
-    layer_names = _layer_names(var_of_read)
+    layer_names = _layer_names(var_of_read) | set(layer_names or ())
     depth, layers = 1, {}
     for depth in (1, 2, 3):
         layers = {op.name: layer for op in ops if op.name in live

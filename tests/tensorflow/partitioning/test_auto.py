@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from smp.tensorflow.partitioning import lower  # noqa: E402
 from smp.tensorflow.partitioning.auto import TFOpPartition, auto_partition, partition_ops  # noqa: E402
-from smp.tensorflow.partitioning.lower import SOURCE, lower_ops, op_cost  # noqa: E402
+from smp.tensorflow.partitioning.lower import SOURCE, lower_ops, model_layer_names, op_cost  # noqa: E402
+from smp.tensorflow.partitioning.trace import trace_call  # noqa: E402
 
 from smp.config.resolve import resolve  # noqa: E402
 from smp.errors import PartitionError  # noqa: E402
@@ -29,7 +30,14 @@ def cfg(pp: int, **extra: Any) -> Any:
 
 
 def trace(model: keras.Model, spec: tf.TensorSpec) -> tuple[list[tf.Operation], dict[str, Any]]:
-    """What the DistributedModel does on its first step: trace call() once at the microbatch spec."""
+    """What the DistributedModel does on its first step: trace call() once at the microbatch spec
+    (`smp.tensorflow.partitioning.trace.trace_call`: ops without Const/Placeholder)."""
+    traced = trace_call(model, (tf.zeros(spec.shape, spec.dtype),), {"training": True}, call=keras.Model.__call__)
+    return traced.ops, traced.var_of_read
+
+
+def trace_with_constants(model: keras.Model, spec: tf.TensorSpec) -> tuple[list[tf.Operation], dict[str, Any]]:
+    """The same trace by hand, keeping Const ops in the list (the lowering places them too)."""
     model(tf.zeros(spec.shape, spec.dtype))
     wf = tf.compat.v1.wrap_function(lambda x: model(x, training=True), [spec])
     by_handle = {}
@@ -144,14 +152,15 @@ MODELS = {
     "tied": (TiedResNet, tf.TensorSpec((4, 5), tf.int32)),
     "transformer": (Transformer, tf.TensorSpec((2, 16), tf.int32)),
 }
-_TRACES: dict[str, tuple[list[tf.Operation], dict[str, Any]]] = {}
+_TRACES: dict[str, tuple[list[tf.Operation], dict[str, Any], keras.Model]] = {}
 
 
-def traced(name: str) -> tuple[list[tf.Operation], dict[str, Any]]:
+def traced(name: str) -> tuple[list[tf.Operation], dict[str, Any], keras.Model]:
     if name not in _TRACES:
         keras.utils.set_random_seed(0)
         make, spec = MODELS[name]
-        _TRACES[name] = trace(make(), spec)
+        model = make()
+        _TRACES[name] = (*trace(model, spec), model)
     return _TRACES[name]
 
 
@@ -200,17 +209,17 @@ def check_invariants(ops: list[tf.Operation], result: TFOpPartition, pp: int) ->
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("pp", [2, 3])
 def test_partition_of_real_models(name: str, pp: int) -> None:
-    ops, var_of_read = traced(name)
-    result = partition_ops(ops, var_of_read, pp, cfg(pp))
+    ops, var_of_read, model = traced(name)
+    result = partition_ops(ops, var_of_read, pp, cfg(pp), model=model)
     check_invariants(ops, result, pp)
     assert not any("relaxed" in n for n in result.partition.notes), result.partition.notes
-    again = partition_ops(ops, var_of_read, pp, cfg(pp))
+    again = partition_ops(ops, var_of_read, pp, cfg(pp), model=model)
     assert again.assignment == result.assignment  # deterministic
 
 
 def test_lowering_of_the_tied_resnet() -> None:
-    ops, var_of_read = traced("tied")
-    lowered = lower_ops(ops, var_of_read)
+    ops, var_of_read, model = traced("tied")
+    lowered = lower_ops(ops, var_of_read)  # without the model: layers from the variables' paths
     graph = lowered.graph
     names = {n.name for n in graph}
     assert SOURCE in names and all(op.type != "Const" or op.name not in names for op in ops)
@@ -224,14 +233,40 @@ def test_lowering_of_the_tied_resnet() -> None:
     matmuls = [graph.node(op.name) for op in ops if op.type == "MatMul"]  # the blocks' Dense layers
     assert len(matmuls) == 8 and all(n.cost == 2 * 20 * 32 * 32 for n in matmuls)
     assert graph.successors(SOURCE) and all(e.bytes == 0 for e in graph.edges if e.src == SOURCE)
-    result = partition_ops(ops, var_of_read, 2, cfg(2))
-    # the tied output runs where the embedding is: its variable stays in one place
+    result = partition_ops(ops, var_of_read, 2, cfg(2), model=model)
+    # the tied read runs where the embedding is: its variable stays in one place
     assert result.assignment[tied[0].name] == result.assignment[next(n.name for n in graph if "GatherV2" in n.name)]
+
+
+def test_layers_without_variables_are_groups_when_the_model_is_known() -> None:
+    """Dropout has no variable of its own (its seed state's path is not under the layer): with the
+    model's layer names its ops (mask, seed read and seed update) are one group on one rank."""
+    keras.utils.set_random_seed(0)
+    model = TiedResNet(blocks=2)
+    ops, var_of_read = trace_with_constants(model, tf.TensorSpec((4, 5), tf.int32))
+    assert any(op.type == "Const" for op in ops)
+    names = model_layer_names(model)
+    assert {model.emb.name, model.blocks[0].name, model.blocks[0].drop.name} <= names
+    lowered = lower_ops(ops, var_of_read, layer_names=names)
+    dropout_ops = [op.name for op in ops if "/dropout" in op.name and op.name not in lowered.follows]
+    assert dropout_ops and all(lowered.layers[name].startswith("block") for name in dropout_ops)
+    # a Dropout at the top level: its own group only when the model's layer names are known
+    flat = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dropout(0.5), keras.layers.Dense(4)])
+    ops, var_of_read = trace_with_constants(flat, tf.TensorSpec((2, 8), tf.float32))
+    lowered = lower_ops(ops, var_of_read, layer_names=model_layer_names(flat))
+    with_model = lowered.layers
+    without = lower_ops(ops, var_of_read).layers
+    drop = [op.name for op in ops if "dropout" in op.name and op.name not in lowered.follows]
+    dropout_name = flat.layers[1].name
+    assert drop and {with_model.get(n) for n in drop} == {dropout_name} and not any(n in without for n in drop)
+    result = partition_ops(ops, var_of_read, 2, cfg(2), model=flat)
+    check_invariants(ops, result, 2)
+    assert len({result.assignment[n] for n in drop}) == 1
 
 
 def test_speed_and_memory_balance_different_things() -> None:
     keras.utils.set_random_seed(0)
-    ops, var_of_read = trace(WideEmbedding(), tf.TensorSpec((2, 64), tf.int32))
+    ops, var_of_read = trace(WideEmbedding(), tf.TensorSpec((2, 64), tf.int32))  # no model: tf_state().model
     speed = partition_ops(ops, var_of_read, 2, cfg(2, optimize="speed")).report
     memory = partition_ops(ops, var_of_read, 2, cfg(2, optimize="memory")).report
     assert speed.compute_imbalance < memory.compute_imbalance
@@ -267,10 +302,10 @@ def test_layers_inside_one_container_are_refined() -> None:
 
 
 def test_auto_partition_logs_the_report_on_rank_0(caplog: pytest.LogCaptureFixture) -> None:
-    ops, var_of_read = traced("mlp")
+    ops, var_of_read, model = traced("mlp")
     with caplog.at_level(logging.INFO, logger="smp"):
         assignment = auto_partition(ops, var_of_read, 2, cfg(2))
-    assert assignment == partition_ops(ops, var_of_read, 2, cfg(2)).assignment
+    assert assignment == partition_ops(ops, var_of_read, 2, cfg(2), model=model).assignment
     assert "automatic partition:" in caplog.text and "Automatic op partition (pp=2" in caplog.text
 
 
