@@ -14,7 +14,10 @@ loads it; a subclassed model's class must be registered with
 ``keras.saving.register_keras_serializable`` and importable where it is loaded); any other path a
 SavedModel directory via ``model.export`` (endpoint ``serve``: ``tf.saved_model.load(path).serve(x)``
 or ``keras.layers.TFSMLayer(path, call_endpoint="serve")``), which is what SMP v1's
-``save_model`` wrote (reference section 4). ``export=`` replaces the SavedModel writer.
+``save_model`` wrote (reference section 4). ``export=`` replaces the SavedModel writer. Both formats
+trace ``model(x)`` (Keras adds a ``serving_default`` function that calls the model); a model that
+refuses calls outside a step (``DistributedModel``) passes ``whole_model=``, a context manager under
+which ``model(x)`` runs the whole ``call()`` on this rank.
 
 Writes are atomic: the model is written into ``.<name>.<id>.smp-staging`` next to ``save_path`` and
 swapped in whole (smp/checkpoint/manifest.py, Note [save directory commit]); a process killed
@@ -23,9 +26,11 @@ while saving leaves the previous ``save_path`` as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -63,7 +68,8 @@ def _owners(variables: Sequence[Any], owner_of: Callable[[int], int]) -> list[in
     return owners
 
 
-def _write(model: Any, save_path: str, export: Callable[[Any, str], Any] | None) -> None:
+def _write(model: Any, save_path: str, export: Callable[[Any, str], Any] | None,
+           whole_model: Callable[[], AbstractContextManager[Any]] | None) -> None:
     """Rank 0: write ``model`` to ``save_path`` through a staging directory next to it."""
     save_path = os.path.abspath(save_path)
     parent, name = os.path.dirname(save_path), os.path.basename(save_path)
@@ -77,36 +83,45 @@ def _write(model: Any, save_path: str, export: Callable[[Any, str], Any] | None)
     save_id = new_save_id()
     staging = staging_directory(parent, name, save_id)
     try:
-        if name.endswith(".keras"):
-            makedirs(staging)
-            inner = os.path.join(staging, name)
-            model.save(inner)
-            with open(inner, "rb") as f:
-                os.fsync(f.fileno())
-            if os.path.isdir(save_path):
-                raise SMPCheckpointError(f"save_model({save_path!r}): a directory of that name exists. Fix: remove it "
-                                         f"or save to another path")
-            os.replace(inner, save_path)
-            fsync_dir(parent)
-            shutil.rmtree(staging, ignore_errors=True)
-            return
-        if export is not None:
-            export(model, staging)
-        else:
-            model.export(staging, verbose=False)
-        if os.path.lexists(save_path) and not os.path.isdir(save_path):
-            raise SMPCheckpointError(f"save_model({save_path!r}): a file of that name exists. Fix: remove it or "
-                                     f"save to another path")
-        old = commit_directory(parent, name, staging, save_id)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with whole_model() if whole_model is not None else contextlib.nullcontext():
+            _write_staged(model, save_path, staging, save_id, export)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def _write_staged(model: Any, save_path: str, staging: str, save_id: str,
+                  export: Callable[[Any, str], Any] | None) -> None:
+    """Write into ``staging``, then put it in place: a file renamed over ``save_path``, or the directory swapped in."""
+    parent, name = os.path.dirname(save_path), os.path.basename(save_path)
+    if name.endswith(".keras"):
+        if os.path.isdir(save_path):
+            raise SMPCheckpointError(f"save_model({save_path!r}): a directory of that name exists. Fix: remove it "
+                                     f"or save to another path")
+        makedirs(staging)
+        inner = os.path.join(staging, name)
+        model.save(inner)
+        with open(inner, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(inner, save_path)
+        fsync_dir(parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    if os.path.lexists(save_path) and not os.path.isdir(save_path):
+        raise SMPCheckpointError(f"save_model({save_path!r}): a file of that name exists. Fix: remove it or "
+                                 f"save to another path")
+    if export is not None:
+        export(model, staging)
+    else:
+        model.export(staging, verbose=False)
+    old = commit_directory(parent, name, staging, save_id)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[[int], int] | None = None, *,
-               export: Callable[[Any, str], Any] | None = None) -> None:
+               export: Callable[[Any, str], Any] | None = None,
+               whole_model: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
     """Save the unpartitioned ``model`` to ``save_path`` (collective: call it on every rank).
 
     Args:
@@ -115,6 +130,8 @@ def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[
         owner_of: ``owner_of(i)`` is the pipeline rank that owns ``model.variables[i]``; None: every
             variable is up to date on every rank (one stage).
         export: ``export(model, directory)`` writes the SavedModel instead of ``model.export``.
+        whole_model: ``with whole_model():`` is entered on rank 0 around the save, so that
+            ``model(x)`` runs the whole model there (a ``DistributedModel``'s export mode).
 
     Raises:
         SMPCheckpointError: the ranks hold different variables, ``owner_of`` gives no pipeline
@@ -157,7 +174,7 @@ def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[
             try:
                 for i, value in values.items():
                     variables[i].assign(value)
-                _write(model, save_path, export)
+                _write(model, save_path, export, whole_model)
             finally:
                 for i, value in keep.items():
                     variables[i].assign(value)
