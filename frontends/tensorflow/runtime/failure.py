@@ -38,6 +38,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from smp.errors import RemoteRankError, SMPError
 from smp.runtime.failure import (
     DEAD_AFTER_S,
     HEARTBEAT_S,
@@ -56,8 +57,8 @@ from smp.runtime.liveness import EXITED, local_process_gone
 from .store import FileStore
 
 __all__ = ["DEAD_AFTER_S", "EXIT_GRACE_S", "HEARTBEAT_S", "ExitGuard", "FailureChannel", "channel", "check_peers",
-           "ranks_still_running", "open_channel", "publish_failure", "set_channel", "stalled_error", "timeout_error",
-           "translate", "wait"]
+           "note_wait_error", "open_channel", "publish_failure", "ranks_still_running", "set_channel",
+           "smp_error_behind", "stalled_error", "timeout_error", "translate", "wait"]
 
 logger = logging.getLogger("smp")
 
@@ -69,9 +70,42 @@ _BEAT_KEY, _WHERE_KEY = "hb/{}", "hb/{}/where"
 def open_channel(store: FileStore | None, rank: int, timeout_s: float,
                  describe: Callable[[int], str] | None = None) -> FailureChannel:
     """This process's failure channel on the job's store, made current (``smp.state.current().failure``)."""
+    global _wait_error
+    _wait_error = None
     ch = FailureChannel(store, rank, timeout_s, describe)
     set_channel(ch)
     return ch
+
+
+# Note [errors inside TF ops]: a wait that fails inside a ``tf.numpy_function`` (the engine's
+# exchange ops) raises its RemoteRankError / CommTimeoutError in a TF executor thread; TF turns it
+# into a ``tf.errors.UnknownError`` carrying only the text. Published as is, that error would name
+# this rank as the one that failed, and a stalled peer would not be reported in its own name. So
+# the first such error of this process is kept here (`note_wait_error`, called by mpi.poll), and
+# `smp_error_behind` gives it back for the TF error that carries its text.
+_wait_error: BaseException | None = None
+
+
+def note_wait_error(error: BaseException) -> None:
+    """Keep the first failed wait's error of this process (see Note [errors inside TF ops])."""
+    global _wait_error
+    if _wait_error is None:
+        _wait_error = error
+
+
+def smp_error_behind(error: BaseException) -> BaseException | None:
+    """The smp error behind ``error``: itself if it is one, the failed wait a TF error carries, or None.
+
+    Example: a ``tf.errors.UnknownError`` whose text holds "PeerStalledError: rank 1 (...) did not
+    answer" gives the `PeerStalledError` itself (with its ``rank``), to publish and print.
+    """
+    if isinstance(error, SMPError):
+        return error
+    noted = _wait_error
+    if noted is not None and type(error).__module__.startswith("tensorflow") and \
+            f"{type(noted).__name__}: " in str(error):
+        return noted
+    return None
 
 
 def _rank_done(store: FileStore, peer: int) -> bool:
@@ -123,11 +157,17 @@ class ExitGuard:
 
     def _hook(self, tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         rank = self.channel.rank
-        remote = getattr(value, "rank", None)
+        behind = smp_error_behind(value)
+        surfaced = ""
+        if behind is not None and behind is not value:
+            surfaced = f" (it surfaced as {type(value).__module__}.{tp.__name__} from a TensorFlow op)"
+            tp, value, tb = type(behind), behind, behind.__traceback__
+        remote = getattr(value, "rank", None) if isinstance(value, RemoteRankError) else None
         if remote is not None and remote != rank:
-            logger.error("stopping: rank %s failed (%s); its report follows", remote, tp.__name__)
+            logger.error("stopping: rank %s failed (%s)%s; its report follows", remote, tp.__name__, surfaced)
         else:
-            logger.error("this rank failed with an uncaught %s; the other ranks are told to stop", tp.__name__)
+            logger.error("this rank failed with an uncaught %s%s; the other ranks are told to stop", tp.__name__,
+                         surfaced)
         assert self._prev is not None
         self._prev(tp, value, tb)  # the core's hook: publish, then print
         sys.stderr.flush()

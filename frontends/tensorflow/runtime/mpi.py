@@ -21,7 +21,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp.errors import CommTimeoutError, RemoteRankError
 from smp.runtime import failure as core_failure
+
+from .failure import note_wait_error
 
 __all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "wait_request"]
 
@@ -101,6 +104,9 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
                 raise core_failure.timeout_error(what, ranks, limit)
             if now - start > _SPIN_S:
                 time.sleep(_PAUSE_S)  # lets the other ranks (and TF's threads) have the core
+    except (RemoteRankError, CommTimeoutError) as e:
+        note_wait_error(e)  # TF may hide it behind its own error: failure.py's Note [errors inside TF ops]
+        raise
     finally:
         if hb is not None:
             hb.set_activity(None)

@@ -1,5 +1,8 @@
 """smp.tensorflow's failure protocol on real mpiexec jobs: a raising, a SIGKILLed, a frozen and a stalled rank.
 
+The stalled rank's peer waits inside a ``tf.numpy_function`` of a ``tf.function`` (as the engine's
+exchange ops do), where TF replaces the smp error by its own ``UnknownError``.
+
 Each test measures seconds from the fault (a timestamp the faulty rank writes just before it) to
 the end of the whole job, and checks what every rank reported.
 
@@ -50,6 +53,15 @@ def faulty_body(mode: str, stamp_dir: str, config: dict[str, object]) -> str:
             os.kill(os.getpid(), signal.SIGSTOP)
         if mode == "stall":
             time.sleep(600)
+    if mode == "stall":  # rank 0 waits inside a TF op, as the engine's exchange ops do
+        import numpy as np
+        import tensorflow as tf
+        from smp.tensorflow.runtime.init import runtime
+
+        transport = runtime().transport
+        step = tf.function(lambda: tf.numpy_function(
+            lambda: transport.recv((4,), np.float32, 1, 9, "activation 0"), [], tf.float32, stateful=True))
+        return str(step())
     return str(smp.recv_from(1, smp.RankType.WORLD_RANK))
 
 
@@ -101,9 +113,13 @@ def test_stalled_rank_is_named_at_the_comm_timeout_and_the_job_ends(tmp_path: py
     took = _seconds_since_fault(str(tmp_path))
     rank0, rank1 = run.outcomes
     assert rank1.status == "missing"  # asleep when rank 0's abort ended the job
-    assert rank0.status == "error" and "PeerStalledError: rank 1 (pp_rank 1, rdp_rank 0; pid" in rank0.traceback, \
-        rank0.traceback
+    # TF turned the PeerStalledError raised inside its op into an UnknownError; the exit guard found it behind
+    assert rank0.status == "error" and "UnknownError" in rank0.traceback, rank0.traceback
+    assert "PeerStalledError: rank 1 (pp_rank 1, rdp_rank 0; pid" in rank0.traceback
     assert "did not answer rank 0 within 2 s" in rank0.traceback and "running its own code" in rank0.traceback
+    assert "[smp rank 0] ERROR stopping: rank 1 failed (PeerStalledError) (it surfaced as " \
+           "tensorflow.python.framework.errors_impl.UnknownError from a TensorFlow op)" in run.output, run.tail()
+    assert "smp.errors.PeerStalledError: rank 1 (pp_rank 1" in run.output  # the core's hook printed the original
     assert "ending the job with MPI_Abort: rank(s) [1] still running" in run.output, run.tail()
     assert not run.killed and run.returncode != 0, (run.returncode, run.tail())
     # comm_timeout 2 s + exit grace 2 s, from the moment rank 1 stopped answering

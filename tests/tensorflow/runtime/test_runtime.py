@@ -268,3 +268,35 @@ def test_init_errors_and_launch_refusal_single_process(monkeypatch: pytest.Monke
     smp.init({"microbatches": 2})
     assert smp.size() == 1 and smp.num_microbatches() == 2 and smp.allgather("x", smp.WORLD) == ["x"]
     smp.reset()
+
+
+def test_file_store_first_failure_wins_across_threads(tmp_path: Any) -> None:
+    """compare_set under an flock: of 8 threads racing to publish, exactly one record is kept."""
+    import threading
+
+    from smp.tensorflow.runtime.store import FileStore
+
+    store = FileStore(str(tmp_path), timeout_s=0.2)
+    go = threading.Event()
+    answers: list[bytes] = []
+
+    def publish(r: int) -> None:
+        go.wait()
+        answers.append(store.compare_set("failure", "", f"{r} failed {r}\ntraceback {r}"))
+
+    threads = [threading.Thread(target=publish, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join()
+    kept = store.get("failure")
+    assert len(set(answers)) == 1 and answers[0] == kept and kept.split(b" ")[1] == b"failed"
+    assert store.check(["failure"]) and not store.check(["failure", "hb/0"])
+    store.set("hb/0", "3\tgradient allreduce")
+    assert store.get("hb/0") == b"3\tgradient allreduce" and os.path.exists(tmp_path / "hb%2F0")
+    with pytest.raises(TimeoutError, match="'hb/1' not set"):
+        store.get("hb/1")
+    store.remove_directory()
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        store.get("hb/1")
