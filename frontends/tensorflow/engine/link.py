@@ -21,7 +21,7 @@ def _runtime() -> Any:
     if not smp_state.current().initialized:
         raise NotInitializedError("smp.DistributedModel needs smp.init() first. Fix: call smp.init(config) "
                                   "at the top of the script, before the first step")
-    from ..runtime import runtime
+    from ..runtime.init import runtime
 
     return runtime()
 
@@ -36,6 +36,7 @@ def current_link() -> Link:
 
 def pp_broadcast(obj: Any, what: str) -> Any:
     """``obj`` of pipeline rank 0 on every rank of this rank's pipeline group."""
-    from ..runtime.comm import CommGroup, broadcast
+    from ..runtime.mpi import bcast_object
 
-    return broadcast(obj, CommGroup.PP_GROUP)
+    rt = _runtime()
+    return bcast_object(rt.groups[GroupKind.PP], obj, 0, what, list(rt.group_ranks[GroupKind.PP]))

@@ -122,6 +122,28 @@ class StagePlan:
         return "\n".join(lines)
 
 
+def _order_variable_effects(traced: TracedCall, stage_of: dict[str, int]) -> None:
+    """Within a stage, make the ops on one variable run in program order when one of them writes.
+
+    A ``wrap_function`` graph has no automatic control dependencies, so in a pruned function a
+    dropout layer's seed read and the seed update after it (or a BatchNorm stat read and its
+    assign) may run in either order; the update must not overtake the read. Ops on one variable
+    all sit on its owner, and two stages of one rank run one after the other, so only pairs inside
+    a stage need an edge.
+    """
+    by_var: dict[int, list[tf.Operation]] = {}
+    for op in traced.ops:
+        var = traced.var_of_op.get(op.name)
+        if var is not None:
+            by_var.setdefault(var, []).append(op)
+    for ops in by_var.values():
+        for i, op in enumerate(ops):
+            for prev in ops[:i]:
+                writes = op.type != "ReadVariableOp" or prev.type != "ReadVariableOp"
+                if writes and stage_of[prev.name] == stage_of[op.name] and prev not in op.control_inputs:
+                    op._add_control_input(prev)  # noqa: SLF001 - TF's only way to add an edge after tracing
+
+
 def plan_stages(traced: TracedCall, placement: Placement, pp_size: int) -> StagePlan:
     """Cut ``traced`` into stages by ``placement`` (see the module docstring).
 
@@ -184,6 +206,8 @@ def plan_stages(traced: TracedCall, placement: Placement, pp_size: int) -> Stage
             if stage_of[src.name] != s:
                 consumers.setdefault(t.name, set()).add(s)
                 feed(s, t)
+
+    _order_variable_effects(traced, stage_of)
 
     output_source: list[int | None] = []
     out_names = set()

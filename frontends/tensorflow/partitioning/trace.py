@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = ["TracedCall", "input_signature", "trace_call"]
 
 # Ops that are never partitioned: recomputed by every stage that needs them, never sent.
 FREE_TYPES = frozenset({"Const", "Placeholder"})
+_TENSORS = (tf.Tensor, tf.Variable, np.ndarray, tf.TensorSpec)
 
 
 @dataclass
@@ -62,14 +64,20 @@ def input_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list
     """The TensorSpecs of the tensor leaves of ``(args, kwargs)`` and a hashable key of the rest.
 
     Non-tensor leaves (``training=True``) are part of the key: they are constants of the trace.
+    A ``tf.TensorSpec`` leaf stands for a tensor of that spec.
     """
     specs: list[tf.TensorSpec] = []
     key: list[Any] = []
     for leaf in tf.nest.flatten((args, kwargs)):
-        if isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray)):
-            t = tf.convert_to_tensor(leaf)
-            specs.append(tf.TensorSpec(t.shape, t.dtype))
-            key.append(("tensor", tuple(t.shape.as_list()), t.dtype.name))
+        if isinstance(leaf, _TENSORS):
+            if isinstance(leaf, tf.TensorSpec):
+                spec = tf.TensorSpec(leaf.shape, leaf.dtype)
+            else:
+                t = tf.convert_to_tensor(leaf)
+                spec = tf.TensorSpec(t.shape, t.dtype)
+            specs.append(spec)
+            key.append(("tensor", tuple(spec.shape.as_list()) if spec.shape.rank is not None else None,
+                        spec.dtype.name))
         else:
             key.append(("const", repr(leaf)))
     return specs, (tf.nest.map_structure(lambda _: 0, (args, kwargs)).__repr__(), tuple(key))
@@ -91,7 +99,11 @@ def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list
     for pos, spec in zip(tensor_pos, specs):
         leaves[pos] = keras.KerasTensor(spec.shape.as_list(), spec.dtype.name)
     a, k = tf.nest.pack_sequence_as((args, kwargs), leaves)
-    model.compute_output_spec(*a, **k)
+    with warnings.catch_warnings():
+        # Keras warns that build() "looks like it has unbuilt state": it checks before the symbolic
+        # call has built the sublayers; the check below is the one that matters.
+        warnings.filterwarnings("ignore", message=r".*does not have a `build\(\)` method implemented.*")
+        model.compute_output_spec(*a, **k)
     # Keras' marker of a deferred variable (private, stable across Keras 3): None until initialized.
     pending = [v.path for v in model.variables if getattr(v, "_value", True) is None]
     if pending:
@@ -106,14 +118,14 @@ def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     Args:
         model: the Keras model (its ``variables`` are mapped to the captured resources).
         args, kwargs: the arguments of this call (graph tensors of the step are fine: only their
-            specs are used).
+            specs are used; a ``tf.TensorSpec`` leaf traces at that spec).
         call: the unpartitioned ``__call__`` (``keras.Model.__call__``).
 
     Raises:
         SMPError: the call returns something that is not a structure of tensors.
     """
     flat = tf.nest.flatten((args, kwargs))
-    tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray))]
+    tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, _TENSORS)]
     specs, _ = input_signature(args, kwargs)
     holder: dict[str, Any] = {}
 
