@@ -192,19 +192,22 @@ def _create_comms(rt: TFRuntime, rank_map: RankMap, rank: int) -> None:
     world = rt.comm
     made: dict[tuple[tuple[int, ...], ...], Any] = {}
 
-    def split(groups: list[list[int]]) -> Any:
-        key = tuple(tuple(g) for g in groups)
+    def split(members_of: list[list[int]]) -> Any:
+        """The communicator of this rank's group; ``members_of[r]`` is rank r's group in group-rank order."""
+        key = tuple(tuple(m) for m in members_of)
         if key not in made:
-            color = next(i for i, g in enumerate(groups) if rank in g)
-            # key = position in the group list: the communicator's ranks are the group ranks.
-            made[key] = world.Split(color, groups[color].index(rank))
+            distinct = list(dict.fromkeys(key))  # every rank computes the same colours from the same map
+            mine = key[rank]
+            # key = position in the group: the communicator's ranks are the group ranks.
+            made[key] = world.Split(distinct.index(mine), mine.index(rank))
             rt.owned_comms.append(made[key])
         return made[key]
 
-    rt.groups[GroupKind.WORLD] = split([list(range(rank_map.world_size))])
-    rt.group_ranks[GroupKind.WORLD] = list(range(rank_map.world_size))
+    everyone = list(range(rank_map.world_size))
+    rt.groups[GroupKind.WORLD] = split([everyone] * rank_map.world_size)
+    rt.group_ranks[GroupKind.WORLD] = everyone
     for kind in _KINDS:
-        rt.groups[kind] = split(rank_map.groups(kind))
+        rt.groups[kind] = split([rank_map.group(kind, r) for r in everyone])
         rt.group_ranks[kind] = rank_map.group(kind, rank)
     rt.engine_comm = world.Dup()
     rt.object_comm = world.Dup()
