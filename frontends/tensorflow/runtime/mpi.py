@@ -26,7 +26,7 @@ from smp.runtime import failure as core_failure
 
 from .failure import note_wait_error
 
-__all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "wait_request"]
+__all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "poll", "wait_request"]
 
 _ABANDONED: list[tuple[Any, Any]] = []
 _CHECK_EVERY_S = 0.05  # failure record and heartbeats, as often as the core checks them
@@ -83,8 +83,10 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
     MPI moves a message (or a collective's next round) only inside MPI calls, so the gap between two
     ``Test`` calls is latency added to every step of a transfer: the core's loop backs off to 2 ms
     (right for gloo, whose own threads make progress) and made a 1 MiB allreduce take 14 ms here
-    instead of about 1 ms. The checks, the errors and their texts are the core's (`check_peers`,
-    `timeout_error`, the heartbeat's activity), as in `smp.runtime.failure.wait`.
+    instead of about 1 ms. The cost of the short pause: a rank waiting 1 s used 0.065 s of CPU
+    (0.021 s with 1 ms pauses; measured with mpi4py on the dev box). The checks, the errors and
+    their texts are the core's (`check_peers`, `timeout_error`, the heartbeat's activity), as in
+    `smp.runtime.failure.wait`; a ``max_pause`` option there would let this function go.
     """
     ch = core_failure.channel()
     hb = ch.heartbeat if ch is not None else None
