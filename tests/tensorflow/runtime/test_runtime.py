@@ -268,6 +268,25 @@ def test_init_errors_and_launch_refusal_single_process(monkeypatch: pytest.Monke
     smp.init({"microbatches": 2})
     assert smp.size() == 1 and smp.num_microbatches() == 2 and smp.allgather("x", smp.WORLD) == ["x"]
     smp.reset()
+    # Open MPI's variables are an MPI launch (RANK/WORLD_SIZE set by someone else do not count) ...
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    smp.init()
+    assert runtime_of_this_process().launch.kind == "mpi" and smp.size() == 1
+    smp.reset()
+    # ... and one that does not match MPI.COMM_WORLD (another MPI's mpirun) is refused
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(LaunchError, match=r"rank 0 of 2, but MPI.COMM_WORLD is rank 0 of 1"):
+        smp.init()
+    assert not smp.is_initialized()
+
+
+def runtime_of_this_process() -> Any:
+    from smp.tensorflow.runtime.init import runtime
+
+    return runtime()
 
 
 def test_file_store_first_failure_wins_across_threads(tmp_path: Any) -> None:
