@@ -25,8 +25,8 @@ averaged in float32 and cast back. Sparse upstream gradients (``tf.IndexedSlices
 ``tf.gather`` of an embedding) are densified: the average of two sparse gradients is dense anyway.
 
 Cost, measured at 2 ranks (dp2) on the 2-core dev box while it was shared (load average 7-8, so
-+-50 %): median ms of one traced forward+backward, 40 calls interleaved across the variants
-(``tests/tensorflow/test_data_parallel.py::test_measure_per_tensor_vs_bucketed``, run with ``-s``)::
++-50 %): median ms of one traced forward+backward, 30-40 calls interleaved across the variants
+(the dp2 case of ``tests/tensorflow/test_data_parallel.py``, run with ``-s``)::
 
     model                          no averaging   average_over_dp per read   average_many (one bucket)
     8 x Dense(256): 16 vars, 2.1 MB    7-10             36-37                      27-36
