@@ -353,8 +353,9 @@ class _Splitter:
                 f"smp.step({self.spec.function_name}): cannot split argument {path} into {n} microbatches: "
                 f"its size along axis {self.axis} is {size}, which is not divisible by {n}. Rule: every "
                 f"tensor of a split argument is cut into num_microbatches equal parts along its axis. Fix: "
-                f"use a batch size divisible by {n} (a DataLoader with drop_last=True avoids a short last "
-                f"batch), change the microbatches config, or list {self.name!r} in non_split_inputs.")
+                f"use a batch size divisible by {n} (drop the short last batch: torch "
+                f"DataLoader(drop_last=True), tf.data batch(drop_remainder=True)), change the microbatches "
+                f"config, or list {self.name!r} in non_split_inputs.")
         k = size // n
         return [self.ops.narrow(x, self.axis, mb * k, k) for mb in range(n)]
 
