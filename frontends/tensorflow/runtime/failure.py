@@ -12,8 +12,9 @@ exception ends the job itself:
    every other rank to be done: exited (the others stop within ~50 ms of the record when they are
    in an smp wait, with `RemoteRankError` naming the failed rank and its traceback, and come
    through this same hook) or gone;
-3. if all are done it exits normally (exit status 1); otherwise it logs which ranks still run and
-   calls ``MPI_Abort`` (exit status 1), which ends every rank of the job.
+3. if all are done it removes the job's store and exits normally (exit status 1); otherwise it
+   logs which ranks still run, removes the store and calls ``MPI_Abort`` (exit status 1), which
+   ends every rank of the job.
 
 Timeline (2 ranks, rank 1 raises while rank 0 waits for its activations)::
 
@@ -188,4 +189,5 @@ class ExitGuard:
                      "published (stalled, or not in an smp wait)", running, self.grace_s)
         sys.stderr.flush()
         sys.stdout.flush()
+        self.store.remove_directory()  # the abort ends every rank: nobody reads the store again
         self.abort(1)

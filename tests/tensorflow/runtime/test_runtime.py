@@ -224,15 +224,17 @@ def runtime_body(config: dict[str, Any], again: dict[str, Any]) -> dict[str, Any
 
 
 @pytest.mark.mpi
-def test_runtime_2_ranks() -> None:
+def test_runtime_2_ranks(tmp_path: Any) -> None:
     out = run_mpi_ranks(runtime_body, 2, args=({"pipeline_parallel_degree": 2, "microbatches": 4},
-                                               {"pipeline_parallel_degree": 1, "horovod": True}), timeout=120)
+                                               {"pipeline_parallel_degree": 1, "horovod": True}), timeout=120,
+                        env={"SMP_JOB_DIR": str(tmp_path)})
     assert [o["ranks"]["pp_rank"] for o in out] == [0, 1]
     assert out[0]["rings"] == [("WORLD", 1), ("PP", 1), (), (), (), ("MP", 1)]
     assert out[0]["gathered"]["PP_GROUP"] == [{"r": 0}, {"r": 1}] and out[1]["gathered"]["DP_GROUP"] == [{"r": 1}]
     assert out[0]["transport"]["max_tag"] >= 32767
     assert [o["mean_after_reinit"] for o in out] == [0.5, 0.5]  # pp 1 x dp 2 after the reset
-    assert not any(os.path.exists(o["store_dir"]) for o in out)  # the last rank out removed the store
+    assert all(o["store_dir"].startswith(str(tmp_path)) for o in out)
+    assert os.listdir(tmp_path) == []  # the last rank out removed each init's store
 
 
 @pytest.mark.mpi
