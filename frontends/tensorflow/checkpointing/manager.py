@@ -67,6 +67,7 @@ from typing import Any
 
 import tensorflow as tf
 
+import smp.state as smp_state
 from smp.checkpoint.atomic import atomic_write_text, fsync_dir, makedirs
 from smp.checkpoint.layout import NEWEST, read_newest
 from smp.checkpoint.manifest import clean_leftovers, new_save_id, staging_directory
@@ -90,11 +91,23 @@ def rank_directory(directory: str, pp_rank: int) -> str:
     return os.path.join(directory, f"mp_rank_{pp_rank}")
 
 
-def _allgather(obj: Any) -> list[Any]:
-    """``obj`` of every world rank, by rank (failure-aware, with the communication timeout)."""
-    from ..runtime import comm
+# Waits for another rank's write or save (a large model's checkpoint can take longer than the usual
+# comm_timeout); a peer that dies is still named at once (heartbeat), only a stalled one waits this long.
+SAVE_TIMEOUT_S = 1800.0
 
-    return list(comm.allgather(obj, comm.WORLD))
+
+def _allgather(obj: Any, what: str = "checkpoint agreement") -> list[Any]:
+    """``obj`` of every world rank, by rank: failure-aware, waiting up to max(comm_timeout, `SAVE_TIMEOUT_S`)."""
+    from smp.topology import GroupKind
+
+    from ..runtime.init import runtime
+    from ..runtime.mpi import allgather_objects
+
+    rt = runtime()
+    cfg = smp_state.current().cfg
+    timeout = max(float(cfg.comm_timeout) if cfg is not None else 0.0, SAVE_TIMEOUT_S)
+    return list(allgather_objects(rt.groups[GroupKind.WORLD], obj, f"smp checkpoint: {what}",
+                                  rt.group_ranks[GroupKind.WORLD], timeout_s=timeout))
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[Any, str]:
@@ -198,12 +211,17 @@ class CheckpointManager(tf.train.CheckpointManager):
         name = f"{self._checkpoint_name}-{number}"
         base, rank_dir, writer = self._base_directory, self.directory, self._writer()
         listed = read_newest(base) if ranks.rank() == 0 else []
-        first = _allgather((number, new_save_id() if ranks.rank() == 0 else "", name in listed))
-        numbers = [n for n, _, _ in first]
+        first = _allgather((number, new_save_id() if ranks.rank() == 0 else "", name in listed,
+                            os.path.abspath(base)), f"starting the save of {name}")
+        numbers, bases = [f[0] for f in first], [f[3] for f in first]
         if len(set(numbers)) != 1:
             raise SMPCheckpointError(
                 f"smp.CheckpointManager.save(): the ranks would save different checkpoint numbers {numbers} (by "
                 f"rank). Fix: call save() on every rank the same number of times, with the same checkpoint_number")
+        if len(set(bases)) != 1:
+            raise SMPCheckpointError(
+                f"smp.CheckpointManager.save(): the ranks use different directories {bases} (by rank). Fix: pass "
+                f"the same directory on every rank, on a file system every rank shares")
         save_id, relisted = first[0][1], first[0][2]
         staging = staging_directory(rank_dir, name, save_id)
         not_committed = f"nothing was committed ({os.path.join(base, NEWEST)} lists {listed or 'no checkpoint'})"
@@ -215,7 +233,7 @@ class CheckpointManager(tf.train.CheckpointManager):
             self._checkpoint.write(os.path.join(staging, name), options=options)
 
         _, err = _outcome(stage) if writer else (None, "")
-        errors = [e for _, e in _allgather((None, err))]
+        errors = [e for _, e in _allgather((None, err), f"writing {name}")]
         if any(errors):
             if writer:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -224,7 +242,8 @@ class CheckpointManager(tf.train.CheckpointManager):
             # ckpt-N is listed and about to be replaced file by file: unlist it first (the older ones stay).
             _, err = _outcome(lambda: self._write_newest(base, [n for n in listed if n != name])) \
                 if ranks.rank() == 0 else (None, "")
-            _raise_failures([e for _, e in _allgather((None, err))], f"unlisting {name} before saving it again",
+            _raise_failures([e for _, e in _allgather((None, err), f"unlisting {name}")],
+                            f"unlisting {name} before saving it again",
                             not_committed)
 
         def move() -> None:
@@ -235,7 +254,8 @@ class CheckpointManager(tf.train.CheckpointManager):
             shutil.rmtree(staging)
 
         _, err = _outcome(move) if writer else (None, "")
-        _raise_failures([e for _, e in _allgather((None, err))], f"moving checkpoint {name} into place",
+        _raise_failures([e for _, e in _allgather((None, err), f"moving {name} into place")],
+                        f"moving checkpoint {name} into place",
                         f"{name} was not committed")
 
         def commit() -> tuple[list[str], list[str]]:
@@ -247,7 +267,7 @@ class CheckpointManager(tf.train.CheckpointManager):
             return names, pruned
 
         (names, pruned), err = _outcome(commit) if ranks.rank() == 0 else ((None, None), "")
-        last = _allgather(((names, pruned), err))
+        last = _allgather(((names, pruned), err), f"committing {name}")
         _raise_failures([e for _, e in last], f"committing checkpoint {name} to {os.path.join(base, NEWEST)}",
                         f"{name} was not committed")
         names, pruned = last[0][0]
@@ -321,7 +341,7 @@ class CheckpointManager(tf.train.CheckpointManager):
             return os.path.basename(latest) if latest else None
 
         chosen, err = _outcome(choose) if ranks.rank() == 0 else (None, "")
-        got = _allgather((chosen, err))
+        got = _allgather((chosen, err), "choosing the checkpoint to restore")
         _raise_failures([e for _, e in got], f"choosing the checkpoint to restore from {base}", "nothing was restored")
         name = got[0][0]
         if name is None:
@@ -342,7 +362,8 @@ class CheckpointManager(tf.train.CheckpointManager):
             self._checkpoint.restore(prefix).assert_nontrivial_match().expect_partial()
 
         _, err = _outcome(load)
-        _raise_failures([e for _, e in _allgather((None, err))], f"restoring checkpoint {name} from {base}",
+        _raise_failures([e for _, e in _allgather((None, err), f"restoring {name}")],
+                        f"restoring checkpoint {name} from {base}",
                         "the ranks may now hold different checkpoints' values: restore again")
         logger.info("restored checkpoint %s", prefix)
         return prefix

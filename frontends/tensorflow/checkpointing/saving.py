@@ -146,7 +146,7 @@ def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[
     variables = list(model.variables)
     owners, err = _outcome(lambda: _owners(variables, owner_of) if owner_of is not None else [0] * len(variables))
     sig = _signature(variables)
-    got = _allgather((sig, err))
+    got = _allgather((sig, err), "save_model: the variables of every rank")
     _raise_failures([e for _, e in got], "save_model: reading the owner map", "nothing was saved")
     differ = [r for r, (s, _) in enumerate(got) if s != got[0][0]]
     if differ:
@@ -180,5 +180,5 @@ def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[
                     variables[i].assign(value)
 
         _, err = _outcome(save)
-    done = _allgather((None, err))
+    done = _allgather((None, err), f"save_model: rank 0 saving {save_path}")
     _raise_failures([e for _, e in done], f"save_model({save_path!r})", "the previous model at that path is unchanged")

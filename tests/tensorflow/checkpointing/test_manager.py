@@ -124,6 +124,8 @@ def first_launch(directory: str) -> None:
 
 
 def second_launch(directory: str) -> dict[str, Any]:
+    import tensorflow as tf
+
     smp, model, opt, ckpt, run = _setup({"partitions": 2, "microbatches": 2})
     own = os.path.join(directory, f"mp_rank_{smp.pp_rank()}")
     out: dict[str, Any] = {"leftovers_before": sorted(f for f in os.listdir(own) if f.startswith("."))}
@@ -140,6 +142,13 @@ def second_launch(directory: str) -> dict[str, Any]:
     out["files_after_resave"] = sorted(f for f in os.listdir(own) if not f.startswith("."))
     # an explicit older committed checkpoint
     out["restored_prefix"] = manager.restore(restore_prefix="ckpt-3")
+    # a directory SMP v1 wrote (plain tf.train.CheckpointManager per mp_rank_<k>, no newest file)
+    v1 = directory + "_v1"
+    tf.train.CheckpointManager(ckpt, os.path.join(v1, f"mp_rank_{smp.pp_rank()}"), max_to_keep=None).save()
+    v1_values = _values(model, opt)
+    run(7)
+    out["v1_restored"] = manager.restore(restore_path=v1)
+    out["v1_values_back"] = _values(model, opt) == v1_values
     return out
 
 
@@ -190,6 +199,8 @@ def test_save_prune_failure_kill_and_restore(tmp_path: Any) -> None:
         assert out["files_after_resave"] == ["checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index",
                                              "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
         assert out["restored_prefix"] == os.path.join(own, "ckpt-3")
+        assert out["v1_restored"] == os.path.join(directory + "_v1", f"mp_rank_{r}", "ckpt-4")
+        assert out["v1_values_back"]
 
 
 def dp_launch(directory: str) -> dict[str, Any]:
