@@ -2,7 +2,7 @@
 
 Order of work: detect the launch (no communication), resolve and validate the configuration
 (`smp.config.resolve`, the same errors as ``smp.torch``; raises before any communicator exists),
-then a timed barrier over the world (every rank reached init), the job's store (store.py) with
+then a timed barrier over the world (every rank reached init; at least `INIT_TIMEOUT_S`), the job's store (store.py) with
 the failure channel, heartbeat and exit guard (failure.py), one MPI sub-communicator per group
 kind (``COMM_WORLD.Split``; identical rank lists share one), ``engine_comm`` and the `Transport`.
 
@@ -48,6 +48,7 @@ logger = logging.getLogger("smp")
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _KINDS = (GroupKind.PP, GroupKind.TP, GroupKind.RDP, GroupKind.DP, GroupKind.MP)
+INIT_TIMEOUT_S = 300.0  # the least time init waits for the last rank to arrive
 _exit_hook_registered = False  # atexit registers per process, so this outlives reset()
 
 
@@ -152,8 +153,10 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     world = MPI.COMM_WORLD
     if launch.world_size > 1:
         # Every rank reached init: after this the collective communicator calls below complete promptly.
+        # Ranks reach init at different times (TF's import alone differs by seconds on a loaded host,
+        # rank 0 may download data first), so this wait is not held to a short comm_timeout.
         wait_request(world.Ibarrier(), "smp.init (every rank must call smp.init)", list(range(launch.world_size)),
-                     timeout_s=timeout)
+                     timeout_s=max(timeout, INIT_TIMEOUT_S))
     store = open_job_store(world, launch.rank, timeout) if launch.world_size > 1 else None
     channel = failure.open_channel(store, launch.rank, timeout, describe=lambda r: _describe(rank_map, r))
     channel.install_excepthook()

@@ -39,7 +39,9 @@ def _seconds_since_fault(stamp_dir: str) -> float:
 def faulty_body(mode: str, stamp_dir: str, config: dict[str, object]) -> str:
     """Rank 1 faults (``mode``) after init and a barrier; rank 0 waits for an object from it."""
     import smp.tensorflow as smp
+    from mpi4py import MPI
 
+    MPI.COMM_WORLD.Barrier()  # both imports done: the short comm_timeouts below time the fault, not the imports
     smp.init(config)
     smp.barrier()
     if smp.rank() == 1:
