@@ -23,6 +23,7 @@ import pytest
 from tests.helpers.mpi_spawn import run_mpi_ranks
 
 pytest.importorskip("mpi4py")
+pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.mpi
 
 
