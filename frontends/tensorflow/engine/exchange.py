@@ -4,7 +4,8 @@ Each exchange op sends and receives through the transport inside ``tf.numpy_func
 and is a ``tf.custom_gradient`` function, so backward crosses the same cut in the other direction:
 
 - forward: send each tensor of ``sends`` to its destination ranks (non-blocking), receive each
-  tensor of ``recvs`` (blocking, failure-aware, with a timeout);
+  tensor of ``recvs`` (blocking, failure-aware, with a timeout); a tensor whose static shape is
+  partly unknown (a step with an ``input_signature`` of batch None) sends its shape first;
 - backward: send the upstream gradient of each received differentiable tensor back to its source,
   then receive (and sum over destinations) the gradient of each sent tensor.
 
@@ -33,49 +34,71 @@ __all__ = ["Recv", "Send", "exchange", "recv_op", "send_op"]
 
 @dataclass(frozen=True)
 class Send:
-    """One destination of a sent tensor: global rank, forward tag, backward tag, and what it is."""
+    """One destination of a sent tensor: global rank, forward tag, backward tag, and what it is.
+
+    ``shape_tag``: when the tensor's static shape is partly unknown (a batch dimension of None),
+    its runtime shape goes first with this tag.
+    """
 
     dest: int
     tag: int
     grad_tag: int | None
     what: str
+    shape_tag: int | None = None
 
 
 @dataclass(frozen=True)
 class Recv:
-    """One received tensor: its shape and dtype, source rank, tags (``grad_tag`` None: no gradient back)."""
+    """One received tensor: its static shape (None for unknown dims) and dtype, source rank, tags.
 
-    shape: tuple[int, ...]
+    ``grad_tag`` None: no gradient goes back. ``shape_tag``: the runtime shape comes first (when
+    the static shape is partly unknown).
+    """
+
+    shape: tuple[int | None, ...]
     dtype: tf.DType
     src: int
     tag: int
     grad_tag: int | None
     what: str
+    shape_tag: int | None = None
 
 
-def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str) -> tf.Tensor:
-    """A non-blocking send of ``tensor``; returns an int32 token (completed by the step's flush)."""
+def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str,
+            shape_tag: int | None = None) -> tf.Tensor:
+    """A non-blocking send of ``tensor`` (after its shape, with ``shape_tag``); returns an int32 token."""
 
     def send(array: np.ndarray) -> np.int32:
+        if shape_tag is not None:
+            transport.isend(np.asarray(array.shape, dtype=np.int64), dest, shape_tag, f"shape of {what}")
         transport.isend(np.ascontiguousarray(array), dest, tag, what)
         return np.int32(0)
 
     return tf.numpy_function(send, [tensor], tf.int32, stateful=True, name="smp_send")
 
 
-def recv_op(transport: Any, spec: Recv | tuple[tuple[int, ...], tf.DType, int, int, str],
-            deps: Sequence[tf.Tensor]) -> tf.Tensor:
-    """A blocking receive (after ``deps``) of a tensor described by ``spec``."""
-    if isinstance(spec, Recv):
-        shape, dtype, src, tag, what = spec.shape, spec.dtype, spec.src, spec.tag, spec.what
-    else:
-        shape, dtype, src, tag, what = spec
+def recv_op(transport: Any, shape: tuple[int | None, ...], dtype: tf.DType, src: int, tag: int, what: str,
+            deps: Sequence[tf.Tensor], *, shape_tag: int | None = None, like: tf.Tensor | None = None) -> tf.Tensor:
+    """A blocking receive (after ``deps``) of a tensor of ``shape`` and ``dtype``.
+
+    A partly unknown ``shape`` is completed by a shape message (``shape_tag``) or, for a gradient,
+    by the runtime shape of ``like`` (the tensor it is the gradient of).
+    """
     np_dtype = dtype.as_numpy_dtype
+    rank = len(shape)
+    static = all(d is not None for d in shape)
 
-    def recv(*_: Any) -> np.ndarray:
-        return np.asarray(transport.recv(shape, np_dtype, src, tag, what), dtype=np_dtype).reshape(shape)
+    def recv(*inputs: Any) -> np.ndarray:
+        if static:
+            dims: tuple[int, ...] = tuple(int(d) for d in shape)  # type: ignore[arg-type]
+        elif like is not None:
+            dims = tuple(int(d) for d in inputs[-1])
+        else:
+            dims = tuple(int(d) for d in transport.recv((rank,), np.int64, src, shape_tag, f"shape of {what}"))
+        return np.asarray(transport.recv(dims, np_dtype, src, tag, what), dtype=np_dtype).reshape(dims)
 
-    out = tf.numpy_function(recv, list(deps), dtype, stateful=True, name="smp_recv")
+    inputs = list(deps) + ([tf.shape(like, out_type=tf.int64)] if like is not None and not static else [])
+    out = tf.numpy_function(recv, inputs, dtype, stateful=True, name="smp_recv")
     out.set_shape(shape)
     return out
 
@@ -108,8 +131,9 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
     def op(*args: tf.Tensor) -> Any:
         chain_in = args[0]
         sent = args[1:1 + n_send]
-        tokens = [send_op(transport, t, d.dest, d.tag, d.what) for t, ds in zip(sent, dests) for d in ds]
-        received = [recv_op(transport, r, [chain_in, *tokens]) for r in recvs]
+        tokens = [send_op(transport, t, d.dest, d.tag, d.what, d.shape_tag) for t, ds in zip(sent, dests) for d in ds]
+        received = [recv_op(transport, r.shape, r.dtype, r.src, r.tag, r.what, [chain_in, *tokens],
+                            shape_tag=r.shape_tag) for r in recvs]
         with tf.control_dependencies([*tokens, *received]):
             chain_out = tf.identity(chain_in)
         passed = [tf.identity(t) for t in args[1 + n_send:1 + n_send + n_pass]]
@@ -117,19 +141,19 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
         def grad(*ups: tf.Tensor | None) -> list[tf.Tensor | None]:
             d_chain = ups[0] if ups[0] is not None else tf.zeros((), chain_in.dtype)
             back = []
-            for r, u in zip(recvs, ups[1:1 + n_recv]):
+            for r, got, u in zip(recvs, received, ups[1:1 + n_recv]):
                 if r.grad_tag is None or not _differentiable(r.dtype):
                     continue
-                u = tf.zeros(r.shape, r.dtype) if u is None else u
+                u = tf.zeros_like(got) if u is None else u
                 back.append(send_op(transport, u, r.src, r.grad_tag, f"gradient of {r.what}"))
             d_sent: list[tf.Tensor | None] = []
             for t, ds in zip(sent, dests):
                 if not _differentiable(t.dtype):
                     d_sent.append(None)
                     continue
-                spec = tuple(t.shape.as_list())
-                parts = [recv_op(transport, (spec, t.dtype, d.dest, d.grad_tag, f"gradient of {d.what}"),
-                                 [d_chain, *back]) for d in ds if d.grad_tag is not None]
+                parts = [recv_op(transport, tuple(t.shape.as_list()), t.dtype, d.dest, d.grad_tag,
+                                 f"gradient of {d.what}", [d_chain, *back], like=t)
+                         for d in ds if d.grad_tag is not None]
                 d_sent.append(tf.add_n(parts) if parts else tf.zeros_like(t))
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
                 d_chain_in = tf.zeros_like(chain_in)

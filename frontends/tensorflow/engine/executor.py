@@ -43,36 +43,38 @@ class Link:
 
 
 class Tags:
-    """Message tags of one plan: forward messages ``2 * i``, their gradients ``2 * i + 1``.
+    """Message tags of one plan: message ``i`` forward ``3 * i``, its gradient ``3 * i + 1``, its shape ``3 * i + 2``.
 
     Messages: each (boundary, destination) pair, then each (model output, receiving partition).
-    One call's messages occupy ``2 * n`` tags; microbatches, calls within a microbatch
+    One call's messages occupy ``3 * n`` tags; microbatches, calls within a microbatch
     (``CALLS_PER_MICROBATCH``) and step traces (modulo what fits) stack above them.
 
     Example:
         >>> t = Tags(n_messages=3, num_microbatches=4, max_tag=32767)
-        >>> t.tag(step_trace=1, microbatch=2, call=0, message=1, backward=True)
-        147
+        >>> t.tag(step_trace=1, microbatch=2, call=0, message=1, kind=Tags.GRAD)
+        220
     """
 
+    FORWARD, GRAD, SHAPE = 0, 1, 2
+
     def __init__(self, n_messages: int, num_microbatches: int, max_tag: int) -> None:
-        self.per_call = 2 * max(n_messages, 1)
+        self.per_call = 3 * max(n_messages, 1)
         self.per_trace = self.per_call * CALLS_PER_MICROBATCH * num_microbatches
         self.traces = max_tag // self.per_trace
         if self.traces < 1:
             raise SMPError(
-                f"a step needs {self.per_trace} message tags ({n_messages} messages x 2 directions x "
+                f"a step needs {self.per_trace} message tags ({n_messages} messages x 3 kinds x "
                 f"{CALLS_PER_MICROBATCH} calls x {num_microbatches} microbatches) but the transport allows "
                 f"{max_tag}. Fix: fewer microbatches, or fewer crossings of the partition cut")
 
-    def tag(self, *, step_trace: int, microbatch: int, call: int, message: int, backward: bool) -> int:
+    def tag(self, *, step_trace: int, microbatch: int, call: int, message: int, kind: int) -> int:
         if call >= CALLS_PER_MICROBATCH:
             raise SMPError(f"the DistributedModel was called {call + 1} times in one microbatch; at most "
                            f"{CALLS_PER_MICROBATCH} calls per microbatch are supported. Fix: concatenate the "
                            "inputs and call the model once")
         slot = step_trace % self.traces
         base = slot * self.per_trace + (microbatch * CALLS_PER_MICROBATCH + call) * self.per_call
-        return base + 2 * message + int(backward)
+        return base + 3 * message + kind
 
 
 class PartitionedCall:
@@ -103,13 +105,25 @@ class PartitionedCall:
         self._tags: dict[int, Tags] = {}
         self._num_microbatches = 1
 
-    def _tag(self, key: tuple[str, int, int], ctx: tuple[int, int, int], backward: bool) -> int:
+    def _tag(self, key: tuple[str, int, int], ctx: tuple[int, int, int], kind: int) -> int:
         step_trace, mb, call = ctx
         m = self._num_microbatches
         if m not in self._tags:
             self._tags[m] = Tags(len(self._messages), m, self.link.max_tag)
         return self._tags[m].tag(step_trace=step_trace, microbatch=mb, call=call, message=self._messages[key],
-                             backward=backward)
+                                 kind=kind)
+
+    def _send(self, key: tuple[str, int, int], ctx: tuple[int, int, int], dest: int, grad: bool, static: bool,
+              what: str) -> Send:
+        return Send(dest, self._tag(key, ctx, Tags.FORWARD), self._tag(key, ctx, Tags.GRAD) if grad else None, what,
+                    None if static else self._tag(key, ctx, Tags.SHAPE))
+
+    def _recv(self, key: tuple[str, int, int], ctx: tuple[int, int, int], t: tf.Tensor, src: int, grad: bool,
+              what: str) -> Recv:
+        static = t.shape.is_fully_defined()
+        return Recv(tuple(t.shape.as_list()), t.dtype, src, self._tag(key, ctx, Tags.FORWARD),
+                    self._tag(key, ctx, Tags.GRAD) if grad else None, what,
+                    None if static else self._tag(key, ctx, Tags.SHAPE))
 
     def __call__(self, inputs: Sequence[tf.Tensor], *, step_trace: int, microbatch: int, call: int,
                  num_microbatches: int) -> list[tf.Tensor]:
@@ -144,15 +158,12 @@ class PartitionedCall:
             for b in stage.sends:
                 grad_ok = b.differentiable
                 what = f"{b.tensor.name} (stage {stage.index}, microbatch {microbatch})"
+                static = b.tensor.shape.is_fully_defined()
                 if stage.partition == me:
                     sends.append((values[b.tensor.name], [
-                        Send(ranks[q], self._tag(("b", b.index, q), ctx, False),
-                             self._tag(("b", b.index, q), ctx, True) if grad_ok else None, what)
-                        for q in b.dests]))
+                        self._send(("b", b.index, q), ctx, ranks[q], grad_ok, static, what) for q in b.dests]))
                 elif me in b.dests:
-                    key = ("b", b.index, me)
-                    recvs.append(Recv(b.shape, b.dtype, ranks[stage.partition], self._tag(key, ctx, False),
-                                      self._tag(key, ctx, True) if grad_ok else None, what))
+                    recvs.append(self._recv(("b", b.index, me), ctx, b.tensor, ranks[stage.partition], grad_ok, what))
             if sends or recvs:
                 got, _ = crossing(sends, recvs)
                 for r_spec, v in zip([b for b in stage.sends if me in b.dests], got):
@@ -172,15 +183,11 @@ class PartitionedCall:
                 continue
             if src == me:
                 local.append(i)
-                sends.append((values[t.name], [Send(ranks[q], self._tag(("o", i, q), ctx, False), None, what)
+                static = t.shape.is_fully_defined()
+                sends.append((values[t.name], [self._send(("o", i, q), ctx, ranks[q], False, static, what)
                                                for q in range(plan.pp_size) if q != me]))
             else:
-                recvs.append((i, Recv(tuple(t.shape.as_list()), t.dtype, ranks[src],
-                                      self._tag(("o", i, me), ctx, False), None, what)))
-        for i, _ in recvs:
-            if not outputs[i].shape.is_fully_defined():
-                raise SMPError(f"model output {i} ({outputs[i].name}) has shape {outputs[i].shape}, unknown at trace "
-                               "time, so it cannot be sent to the other ranks. Fix: a static batch size")
+                recvs.append((i, self._recv(("o", i, me), ctx, t, ranks[src], False, what)))
         # The sends carry the local outputs, which also pass through so the loss uses them.
         got, passed = crossing(sends, [r for _, r in recvs], [values[outputs[i].name] for i in local])
         result: list[tf.Tensor] = []

@@ -148,7 +148,7 @@ def plan_stages(traced: TracedCall, placement: Placement, pp_size: int) -> Stage
     """Cut ``traced`` into stages by ``placement`` (see the module docstring).
 
     Raises:
-        PartitionError: a boundary tensor has a shape unknown at trace time, an op has a control
+        PartitionError: a boundary tensor has an unknown rank, an op has a control
             input on another stage, or a model output is a constant.
     """
     part = placement.op_partition
@@ -230,11 +230,10 @@ def plan_stages(traced: TracedCall, placement: Placement, pp_size: int) -> Stage
                 s.fetches.append(t)
             dests = sorted({stages[c].partition for c in used_by} - {s.partition})
             if dests:
-                if not t.shape.is_fully_defined():
+                if t.shape.rank is None:
                     raise PartitionError(
-                        f"tensor {t.name} crosses from partition {s.partition} to {dests} but its shape "
-                        f"{t.shape} is not known when call() is traced. Fix: give the step inputs a static "
-                        "shape (a fixed batch size divisible by microbatches)")
+                        f"tensor {t.name} crosses from partition {s.partition} to {dests} but even its rank is "
+                        "unknown when call() is traced. Fix: give the step inputs shapes of known rank")
                 b = Boundary(index=len(boundaries), tensor=t, stage=s.index, partition=s.partition, dests=dests)
                 boundaries.append(b)
                 s.sends.append(b)

@@ -66,6 +66,10 @@ def _reference(ref: Any, name: str, kwargs: dict[str, Any]) -> tuple[list[float]
 def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
     """Train model ``name`` for `STEPS` steps; ``spelling`` is "tape" or "get_gradients".
 
+    A "+none_batch" suffix gives the step an ``input_signature`` whose batch dimension is None,
+    so every boundary tensor has an unknown batch size when ``call()`` is traced; the step is then
+    called from Python (inside an outer ``tf.function`` the step sees the outer static shapes).
+
     ``outer=False`` calls the step and ``apply_gradients`` from Python (the step is still its own
     ``tf.function``) instead of inside one outer ``@tf.function``.
     """
@@ -95,9 +99,15 @@ def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
     loss_obj = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     none_grads: list[int] = []
 
-    @step
+    signature = None
+    if spelling.endswith("+none_batch"):
+        outer = False
+        x0, y0 = _data(name, 0)
+        signature = [tf.TensorSpec((None, *x0.shape[1:]), x0.dtype), tf.TensorSpec((None, *y0.shape[1:]), y0.dtype)]
+
+    @step(input_signature=signature)
     def get_grads(x: Any, y: Any) -> Any:
-        if spelling == "tape":
+        if spelling.startswith("tape"):
             with tf.GradientTape() as tape:
                 loss = loss_obj(y, model(x, **kwargs))
             grads = tape.gradient(loss, model.trainable_variables)

@@ -68,8 +68,8 @@ def tied_lm(base: type, pp: int) -> type:
         def __init__(self) -> None:
             super().__init__()
             self.emb = keras.layers.Embedding(VOCAB, DIM)
-            self.block = _Block()
-            self.block2 = _Block()
+            self.block = _Block(name="block")
+            self.block2 = _Block(name="block2")
             self.mix = keras.layers.Dense(DIM, activation="tanh")
             self.norm = keras.layers.LayerNormalization()
 

@@ -28,8 +28,8 @@ LOSS_RTOL = 1e-6
 VAR_ATOL, VAR_RTOL = 2e-6, 1e-6
 
 
-def _config(pp: int) -> dict[str, Any]:
-    return {"pipeline_parallel_degree": pp, "microbatches": cases.MICROBATCHES, "auto_partition": False,
+def _config(pp: int, auto: bool = False) -> dict[str, Any]:
+    return {"pipeline_parallel_degree": pp, "microbatches": cases.MICROBATCHES, "auto_partition": auto,
             "default_partition": 0}
 
 
@@ -70,7 +70,8 @@ def _check_case(results: list[dict[str, Any]], key: str, pp: int) -> None:
 @pytest.fixture(scope="module")
 def pp2() -> list[dict[str, Any]]:
     return run_mpi_ranks(cases.launch, 2, args=([("mlp", "tape"), ("tied_lm", "get_gradients"),
-                                                 ("bn_dropout", "tape")], _config(2)), timeout=300)
+                                                 ("bn_dropout", "tape"), ("tied_lm", "tape+none_batch")],
+                                                _config(2)), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +81,29 @@ def pp3() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def pp2_auto() -> list[dict[str, Any]]:
+    return run_mpi_ranks(cases.launch, 2, args=([("tied_lm", "tape")], _config(2, auto=True)), timeout=300)
+
+
+@pytest.fixture(scope="module")
 def pp1() -> list[dict[str, Any]]:
     return run_mpi_ranks(cases.single, 1, timeout=240)
 
 
-@pytest.mark.parametrize("key", ["mlp/tape", "tied_lm/get_gradients", "bn_dropout/tape"])
+@pytest.mark.parametrize("key", ["mlp/tape", "tied_lm/get_gradients", "bn_dropout/tape", "tied_lm/tape+none_batch"])
 def test_pp2_matches_one_process(pp2: list[dict[str, Any]], key: str) -> None:
     _check_case(pp2, key, 2)
 
 
-def test_pp2_tied_lm_crosses_the_cut_back_and_forth(pp2: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("key", ["tied_lm/get_gradients", "tied_lm/tape+none_batch"])
+def test_pp2_tied_lm_crosses_the_cut_back_and_forth(pp2: list[dict[str, Any]], key: str) -> None:
     """0 -> 1 -> 0 -> 1: four stages, and the tied embedding is read on its owner (0) and sent."""
-    stages = pp2[0]["tied_lm/get_gradients"]["stages"].splitlines()
+    stages = pp2[0][key]["stages"].splitlines()
     assert [line.split(",")[0].split(": ")[1] for line in stages] == [
         "partition 0", "partition 1", "partition 0", "partition 1"], "\n".join(stages)
     assert "MatMul/ReadVariableOp" in stages[2], "the tied head's read of the embedding is not sent from its owner"
+    if key.endswith("none_batch"):
+        assert "[None, 3, 8]" in stages[0], "the boundaries of a None-batch step should have an unknown batch size"
 
 
 def test_pp2_dropout_masks_change_per_step_and_equal_one_process(pp2: list[dict[str, Any]]) -> None:
@@ -108,6 +117,12 @@ def test_pp3_matches_one_process(pp3: list[dict[str, Any]]) -> None:
     _check_case(pp3, "tied_lm/tape", 3)
     stages = pp3[0]["tied_lm/tape"]["stages"].splitlines()
     assert [line.split(",")[0].split(": ")[1] for line in stages][-1] == "partition 0", "\n".join(stages)
+
+
+def test_pp2_auto_partition_matches_one_process(pp2_auto: list[dict[str, Any]]) -> None:
+    """auto_partition (the default): pp rank 0's decision, broadcast, applied like a manual one; scopes ignored."""
+    _check_case(pp2_auto, "tied_lm/tape", 2)
+    assert "smp_partition_" not in pp2_auto[0]["tied_lm/tape"]["stages"]
 
 
 @pytest.mark.parametrize("key", ["mlp/tape", "bn_dropout/get_gradients", "mlp/tape/no_outer"])
