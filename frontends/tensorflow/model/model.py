@@ -44,6 +44,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common import global_state  # Keras' thread-local settings (no public accessor)
 
 import smp.state as smp_state
 from smp.errors import SMPError
@@ -211,6 +212,11 @@ class DistributedModel(keras.Model):
             v.assign(value)
 
 
+# Keras' thread-local settings the partitioning thread inherits (keras.src.backend.common.global_state).
+_KERAS_SETTINGS = ("dtype_policy", "global_seed_generator", "flash_attention", "nnx_enabled", "use_legacy_config",
+                   "traceback_filtering")
+
+
 def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` in a new thread: eager, outside the caller's ``tf.function`` (see below), re-raising its error.
 
@@ -218,11 +224,18 @@ def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
     there, and a ``tf.function`` trace captures variable creation (its variable creator scope holds
     even under ``tf.init_scope``) and retraces the whole step afterwards. A new thread starts with
     TensorFlow's and Keras' thread-local state empty: eager mode, no creator scope, no outer call.
+    The Keras settings a script makes process-wide (the dtype policy of
+    ``keras.mixed_precision.set_global_policy``, the global seed generator of
+    ``keras.utils.set_random_seed``) are thread-local in Keras, so they are carried over.
     """
     box: dict[str, Any] = {}
+    inherited = {name: global_state.get_global_attribute(name) for name in _KERAS_SETTINGS}
 
     def run() -> None:
         try:
+            for name, value in inherited.items():
+                if value is not None:
+                    global_state.set_global_attribute(name, value)
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             box["error"] = e
