@@ -52,6 +52,6 @@ def test_raising_rank_is_reported_with_its_traceback() -> None:
 
 def test_timeout_names_the_silent_rank_and_dumps_stacks() -> None:
     t0 = time.monotonic()
-    with pytest.raises(RankFailure, match=r"(?s)ranks \[1\] reported nothing.*did not finish within 4 s.*rank1_sleeps"):
-        run_mpi_ranks(rank1_sleeps, 2, timeout=4)
-    assert time.monotonic() - t0 < 10
+    with pytest.raises(RankFailure, match=r"(?s)ranks \[1\] reported nothing.*did not finish within 8 s.*rank1_sleeps"):
+        run_mpi_ranks(rank1_sleeps, 2, timeout=8)  # the stacks are dumped at 5 s: slow starts on a loaded box
+    assert time.monotonic() - t0 < 14
