@@ -24,11 +24,11 @@ Collectives on one group must be issued in the same order on every member (MPI's
 from one thread, or from stateful TF ops (they run in program order).
 
 Measured through this class (``tests/tensorflow/runtime/bench_transport.py``: 2 ranks of one
-mpiexec on the 2-core dev box, shared with other jobs at load average 5-7; median of 200 round
-trips, each ``isend`` + ``recv`` both ways + ``flush``): 4 KiB **16-20 us** round trip (p90 20-26
-us; some loaded runs 1 ms), 1 MiB **0.46-2.3 ms** round trip (p90 4.5-11 ms); ``allreduce_mean``
-over 2 ranks 15-20 us at 4 KiB, 1.1-1.9 ms at 1 MiB (14 ms before the poll interval in mpi.py was
-cut from the core's 2 ms back-off to 0.05 ms). The load, not the transport, sets the spread.
+mpiexec on the 2-core dev box, shared with other jobs; median of 200 round trips, each ``isend`` +
+``recv`` both ways + ``flush``), at load average 5-7: 4 KiB **16-20 us** round trip (p90 20-26 us),
+1 MiB **0.46-2.3 ms** (p90 4.5-11 ms); ``allreduce_mean`` over 2 ranks 15-20 us at 4 KiB,
+1.1-1.9 ms at 1 MiB. At load 11: 4 KiB 18 us, 1 MiB 4.5 ms round trip, 1 MiB allreduce 8-15 ms.
+The load, not the transport, sets the spread; see `mpi.poll` for the poll interval's effect.
 """
 
 from __future__ import annotations
