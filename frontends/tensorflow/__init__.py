@@ -1,20 +1,40 @@
 """smp for TensorFlow / Keras 3: ``import smp.tensorflow as smp`` (was ``import smdistributed.modelparallel.tensorflow as smp``).
 
 Each room exports its public names through its package's ``__all__``; this file only gathers them.
-Importing it imports TensorFlow, Keras and mpi4py, never torch.
+The runtime (``init``, the rank API, the communication primitives) is imported at once and needs
+only mpi4py; the names that need TensorFlow (``DistributedModel``, ``step``, ``CheckpointManager``,
+...) are imported on first use (PEP 562), so a script or test that only uses the rank API does not
+pay TensorFlow's import (~5 s and ~540 MB per rank). Nothing here imports torch.
 """
+
+from importlib import import_module
+from typing import Any
 
 import smp.state as _state_mod
 
-from .checkpointing import *  # noqa: F403 - CheckpointManager
-from .checkpointing import __all__ as _checkpointing_all
-from .model import *  # noqa: F403 - DistributedModel, partition, register_post_partition_hook
-from .model import __all__ as _model_all
 from .runtime import *  # noqa: F403 - init, reset, the rank API, communication primitives
 from .runtime import __all__ as _runtime_all
-from .step import StepOutput as StepOutput
-from .step import step as step
+
+# name -> the module (relative to this package) that defines it; imported on first access.
+_LAZY = {
+    "DistributedModel": ".model", "partition": ".model", "register_post_partition_hook": ".model",
+    "CheckpointManager": ".checkpointing",
+    "step": ".step", "StepOutput": ".step",
+}
 
 state = _state_mod.current()
 
-__all__ = sorted({*_runtime_all, *_model_all, *_checkpointing_all, "state", "step", "StepOutput"})
+__all__ = sorted({*_runtime_all, *_LAZY, "state"})
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'smp.tensorflow' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
