@@ -18,7 +18,8 @@ Gradients: ``tape.gradient(loss, model.trainable_variables)`` and
 ``optimizer.get_gradients(loss, ...)`` return a tensor for every variable on every rank (zeros for
 the variables another rank owns). After ``optimizer.apply_gradients`` a variable is correct on
 its owner (`DistributedModel.variable_owner`); on the other ranks it keeps its initial value
-(it is never read there: those ranks do not run the ops that read it).
+under optimizers that do not move a variable on a zero gradient (SGD, Adam), or drifts under
+ones that do (weight decay). It is never read there: those ranks do not run the ops that read it.
 
 Example:
     >>> class Model(smp.DistributedModel):

@@ -12,9 +12,11 @@ Rules (SMP v1 TF, reference section 4; issue 11 item 2):
 Every rank traces the same program, so the op names agree; pipeline rank 0's decision is
 broadcast and a rank whose trace has other op names fails naming the first difference.
 
-Example (manual, pp=2; ``emb`` first read on 0, read again inside ``smp.partition(1)``):
-    >>> decide(traced, pp_size=2, cfg=cfg, owners=None).owners
-    {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}
+Example (manual, pp=2; the embedding ``emb`` is variable 0, first read on 0 and read again by
+the tied head inside ``smp.partition(1)``):
+    >>> placement = decide(traced, pp_size=2, cfg=cfg, owners=None)
+    >>> placement.owners[0], placement.op_partition["m_1/smp_partition_1/MatMul/ReadVariableOp"]
+    (0, 0)
 """
 
 from __future__ import annotations

@@ -109,6 +109,8 @@ def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list
     if pending:
         raise SMPError(f"{type(model).__name__}: Keras left variables uninitialized after building: {pending[:5]}. "
                        "Fix: create the layers' variables in build() or __init__")
+    # Built: the traced call must not run Keras' symbolic build again (nor warn about it).
+    model.built = True
 
 
 def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
