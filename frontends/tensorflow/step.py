@@ -166,9 +166,12 @@ class StepFunction:
         state.num_microbatches = num_mb
         results = []
         try:
-            for m, (a, k) in enumerate(parts):
-                state.microbatch = m
-                results.append(_values(func(*a, **k)))
+            # Every op of the body (the engine's transfers included) runs after the runtime split checks:
+            # a bad batch size then fails before any rank sends or waits for a pipeline message.
+            with tf.control_dependencies(ops.checks):
+                for m, (a, k) in enumerate(parts):
+                    state.microbatch = m
+                    results.append(_values(func(*a, **k)))
         finally:
             state.microbatch = None
             state.num_microbatches = saved

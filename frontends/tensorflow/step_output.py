@@ -371,6 +371,7 @@ class TFStepOps:
         self.quiet_types = _QUIET_TYPES + tuple(extra_quiet_types)
         self._unit: dict[tuple[int, int], Any] = {}  # (id(tensor), dim) -> checked unit size
         self._held: list[Any] = []  # keeps the tensors of _unit alive, so their ids stay unique
+        self.checks: list[Any] = []  # the runtime divisibility checks made (graph mode; smp.step orders the body after them)
 
     def is_tensor(self, x: object) -> bool:
         return isinstance(x, (tf.Tensor, tf.IndexedSlices, np.ndarray))
@@ -415,6 +416,8 @@ class TFStepOps:
                          f"every tensor of a split argument is cut into num_microbatches equal parts along its "
                          f"axis. Fix: use a batch size divisible by {n} (drop_remainder=True in tf.data), change "
                          f"the microbatches config, or list the argument in non_split_inputs"))
+            if check is not None:
+                self.checks.append(check)
             with tf.control_dependencies([check] if check is not None else []):
                 self._unit[key] = tf.identity(size // n)
             self._held.append(x)
