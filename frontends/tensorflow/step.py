@@ -166,16 +166,18 @@ class StepFunction:
         state.num_microbatches = num_mb
         results = []
         try:
-            # Every op of the body (the engine's transfers included) runs after the runtime split checks:
-            # a bad batch size then fails before any rank sends or waits for a pipeline message.
+            # Every op of the step (the body, the engine's transfers, the finish_step callbacks) runs after the
+            # runtime split checks, so a bad batch size fails before any rank sends or waits for a message.
             with tf.control_dependencies(ops.checks):
                 for m, (a, k) in enumerate(parts):
                     state.microbatch = m
                     results.append(_values(func(*a, **k)))
+                state.microbatch = None
+                state.num_microbatches = saved
+                return _finish(results, state.finish_step)
         finally:
             state.microbatch = None
             state.num_microbatches = saved
-        return _finish(results, state.finish_step)
 
 
 def _values(result: Any) -> Any:
