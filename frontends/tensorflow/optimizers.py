@@ -11,6 +11,10 @@ zeros), which is what ``[g.accumulate() for g in grads]`` needs on every rank. `
 exists only in graph mode: outside a traced function (``@smp.step`` always traces its body) the
 method raises, naming ``smp.step``. `uninstall` removes exactly what `install` added.
 
+SMP v1 scripts call nothing: `install_for_session` runs at ``smp.init`` when Keras is already
+imported (``runtime/init.py``; a runtime-only script never imports TensorFlow for it), else when
+the first ``DistributedModel`` is constructed, and ``smp.reset()`` undoes it (``tf_state().close_hooks``).
+
 ``compute_gradients``: not added. It is the TF1 ``tf.compat.v1.train.Optimizer`` method (returning
 ``(gradient, variable)`` pairs), never a Keras optimizer method, so no SMP v1 TF2 script calls it
 on a Keras optimizer; adding a second, non-Keras spelling would only widen the patched surface.
@@ -34,7 +38,9 @@ import tensorflow as tf
 
 from smp.errors import SMPError
 
-__all__ = ["get_gradients", "install", "installed", "uninstall"]
+from .state import tf_state
+
+__all__ = ["get_gradients", "install", "install_for_session", "installed", "uninstall"]
 
 
 def get_gradients(self: Any, loss: tf.Tensor, params: Sequence[Any]) -> list[tf.Tensor]:
@@ -81,3 +87,11 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether `install` is in effect."""
     return keras.optimizers.Optimizer.__dict__.get("get_gradients") is get_gradients
+
+
+def install_for_session() -> None:
+    """`install`, undone by ``smp.reset()`` (idempotent within one ``smp.init`` session)."""
+    hooks = tf_state().close_hooks
+    install()
+    if uninstall not in hooks:
+        hooks.append(uninstall)

@@ -37,18 +37,20 @@ checkpoint it lists exactly as they were; files of an uncommitted save are overw
 next save of that number, and staging directories are removed by the next save of that stage.
 The directory must be one file system that every rank sees (one host, or a shared mount).
 
-Restores happen after the first step (SMP v1 rule): `CheckpointManager.restore` before it raises.
-The variables of a Keras model exist only once it has been called, and SMP v1 deferred restores to
-after partitioning.
+Restores before the first step are deferred (as SMP v1 did it, through its post-partition hook):
+the variables of a Keras model exist only once it has been called, so `CheckpointManager.restore`
+before the first step returns a `DeferredRestore` and the restore runs once, when the first
+``DistributedModel`` is partitioned (inside the first step's trace, before its first forward; Keras
+optimizers in the checkpoint are built first, so their slots are restored too). After the first step
+it restores at once. A script whose step calls no DistributedModel must restore after the first step.
 
 Example (every rank runs the same lines)::
 
     ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
     manager = smp.CheckpointManager(ckpt, "/opt/ml/checkpoints", max_to_keep=3)
+    manager.restore()                    # the newest committed checkpoint, if any: runs at partitioning
     for step, (x, y) in enumerate(data):
         train_step(x, y)
-        if step == 0:
-            manager.restore()            # the newest committed checkpoint, if any
         if step % 100 == 0:
             manager.save()
 """
@@ -76,9 +78,52 @@ from smp.runtime import ranks
 
 from ..state import tf_state
 
-__all__ = ["CheckpointManager", "rank_directory"]
+__all__ = ["CheckpointManager", "DeferredRestore", "rank_directory"]
 
 logger = logging.getLogger("smp.checkpoint")
+
+
+class DeferredRestore:
+    """What `CheckpointManager.restore` returns before the first step: the restore, pending until partitioning.
+
+    Attributes:
+        done: whether the restore has run (at the first DistributedModel's partitioning).
+        prefix: then, this stage's restored prefix (None: there was no checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+        self.prefix: str | None = None
+
+    def result(self) -> str | None:
+        """This stage's restored prefix.
+
+        Raises:
+            SMPCheckpointError: the restore has not run yet (no step has partitioned a DistributedModel).
+        """
+        if not self.done:
+            raise SMPCheckpointError("the deferred smp.CheckpointManager.restore() has not run yet: it runs when the "
+                                     "first smp.step partitions the DistributedModel. Fix: run a step first")
+        return self.prefix
+
+    def __repr__(self) -> str:
+        return f"DeferredRestore(done={self.done}, prefix={self.prefix!r})"
+
+
+def _build_optimizers(checkpoint: tf.train.Checkpoint) -> None:
+    """Build the unbuilt Keras optimizers among ``checkpoint``'s attributes on the partitioned model's variables.
+
+    A deferred restore runs before the first ``apply_gradients``, when a Keras optimizer has no slot
+    variables yet; built here (eagerly, as ``apply_gradients`` would build them), they are restored now.
+    """
+    import keras
+
+    model = tf_state().model
+    if model is None:
+        return
+    for obj in list(vars(checkpoint).values()):
+        if isinstance(obj, keras.optimizers.Optimizer) and not obj.built:
+            obj.build(model.trainable_variables)
 
 
 def rank_directory(directory: str, pp_rank: int) -> str:
@@ -302,7 +347,8 @@ class CheckpointManager(tf.train.CheckpointManager):
 
     # -- restore -----------------------------------------------------------------------------------
 
-    def restore(self, restore_path: str | None = None, restore_prefix: str | None = None) -> str | None:
+    def restore(self, restore_path: str | None = None,
+                restore_prefix: str | None = None) -> str | DeferredRestore | None:
         """Restore the newest committed checkpoint (or ``restore_prefix``) into every rank (collective).
 
         Each stage reads its own ``mp_rank_<k>/``; every rank restores the same number, the one rank
@@ -313,18 +359,31 @@ class CheckpointManager(tf.train.CheckpointManager):
             restore_path: a checkpoint directory other than this manager's.
             restore_prefix: a checkpoint name such as ``"ckpt-5"`` instead of the newest.
 
+        Before the first step the restore is deferred to the first DistributedModel's partitioning
+        (module docstring); its errors are then raised by that step.
+
         Returns:
-            This stage's restored prefix; None (on every rank, with a warning) when there is no checkpoint.
+            This stage's restored prefix; None (on every rank, with a warning) when there is no
+            checkpoint; before the first step a `DeferredRestore` that holds it once it has run.
 
         Raises:
-            SMPCheckpointError: before the first step; ``restore_prefix`` is not committed; a stage
-                lacks its files or cannot read them (every rank raises, naming the ranks).
+            SMPCheckpointError: ``restore_prefix`` is not committed; a stage lacks its files or
+                cannot read them (every rank raises, naming the ranks).
         """
         if tf_state().step_traces <= 0:
-            raise SMPCheckpointError(
-                "smp.CheckpointManager.restore() before the first step: restores happen after the first step (SMP v1 "
-                "rule), when the model's variables exist and are partitioned. Fix: run the first training step, then "
-                "call manager.restore() (the step's updates are then replaced by the checkpoint's values)")
+            from ..model.hooks import run_after_partitioning
+
+            pending = DeferredRestore()
+
+            def deferred() -> None:
+                _build_optimizers(self._checkpoint)
+                pending.prefix = self.restore(restore_path, restore_prefix)  # type: ignore[assignment]
+                pending.done = True
+
+            run_after_partitioning(deferred)
+            logger.info("smp.CheckpointManager.restore() before the first step: deferred until the model is "
+                        "partitioned (first step, before its first forward)")
+            return pending
         base = os.fspath(restore_path) if restore_path is not None else self._base_directory
         own = rank_directory(base, ranks.pp_rank())
 

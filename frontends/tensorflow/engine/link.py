@@ -14,7 +14,7 @@ from smp.topology import GroupKind
 
 from .executor import Link
 
-__all__ = ["current_link", "pp_broadcast"]
+__all__ = ["current_link", "pp_broadcast", "world_broadcast"]
 
 
 def _runtime() -> Any:
@@ -40,3 +40,12 @@ def pp_broadcast(obj: Any, what: str) -> Any:
 
     rt = _runtime()
     return bcast_object(rt.groups[GroupKind.PP], obj, 0, what, list(rt.group_ranks[GroupKind.PP]))
+
+
+def world_broadcast(obj: Any, what: str) -> Any:
+    """``obj`` of world rank 0 on every rank (pipeline rank 0 of DP replica 0)."""
+    from ..runtime.mpi import bcast_object
+
+    rt = _runtime()
+    world = rt.groups[GroupKind.WORLD]
+    return bcast_object(world, obj, 0, what, list(rt.group_ranks[GroupKind.WORLD]))

@@ -107,11 +107,43 @@ class StagePlan:
     _functions: dict[int, Any] = field(default_factory=dict)
 
     def function(self, stage: Stage) -> Any:
-        """The pruned function of ``stage``: feeds in, ``fetches`` (then effects' None) out."""
+        """The function of ``stage``: feeds in, ``fetches`` (then effects' None) out.
+
+        Without data parallelism it is the stage pruned from the trace. With it
+        (`data_parallel.dp_enabled`: ``horovod``/``ddp`` and more than one replica) the stage is
+        pruned with its trainable variable reads among the feeds too, and the function passes
+        ``average_many`` of those variables for them: forward values unchanged, and in the
+        backward the gradients of all of the stage's reads averaged over the DP group in one
+        bucketed allreduce per stage and microbatch. The gradients a step returns are then
+        already DP averages (issue 11); each replica's loss stays its own.
+        """
         if stage.index not in self._functions:
-            self._functions[stage.index] = self.traced.wrapped.prune(
-                feeds=list(stage.feeds), fetches=[*stage.fetches, *stage.effects])
+            self._functions[stage.index] = self._build_function(stage)
         return self._functions[stage.index]
+
+    def _build_function(self, stage: Stage) -> Any:
+        from ..data_parallel import average_many, dp_enabled
+
+        fetches = [*stage.fetches, *stage.effects]
+        reads = self.trainable_reads(stage) if dp_enabled() else []
+        if not reads:
+            return self.traced.wrapped.prune(feeds=list(stage.feeds), fetches=fetches)
+        graph = self.traced.wrapped.graph
+        fed = {t.name for t in stage.feeds}
+        reads = [r for r in reads if graph.get_operation_by_name(r).outputs[0].name not in fed]
+        pruned = self.traced.wrapped.prune(
+            feeds=[*stage.feeds, *[graph.get_operation_by_name(r).outputs[0] for r in reads]], fetches=fetches)
+        variables = [self.traced.var_of_read[r] for r in reads]
+        what = f"stage{stage.index}_p{stage.partition}"
+
+        def run(*feeds: tf.Tensor) -> Any:
+            return pruned(*feeds, *average_many(variables, what))
+
+        return run
+
+    def trainable_reads(self, stage: Stage) -> list[str]:
+        """The ``ReadVariableOp`` names of ``stage`` that read a trainable variable, in program order."""
+        return [n for n in stage.ops if n in self.traced.var_of_read and self.traced.var_of_read[n].trainable]
 
     def describe(self) -> str:
         """One line per stage (partition, level, op count, boundaries sent), for logs and errors."""

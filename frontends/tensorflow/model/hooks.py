@@ -4,7 +4,8 @@ SMP v1 TF (1.3.1+): a module-level decorator on a function of no arguments, run 
 once the model is partitioned (typically to restore a checkpoint into the partitioned model).
 The registry is per process, like the decorator lines that fill it (they run at import time, so
 it survives ``smp.reset()``); each `DistributedModel` runs every registered hook once, at its own
-partitioning.
+partitioning. ``smp.CheckpointManager.restore()`` called before the first step runs there too,
+once, after the registered hooks (`run_after_partitioning`).
 
 Example:
     >>> @smp.register_post_partition_hook
@@ -20,6 +21,7 @@ from typing import Any
 __all__ = ["register_post_partition_hook"]
 
 _HOOKS: list[Callable[[], Any]] = []
+_ONCE: list[Callable[[], Any]] = []  # `run_after_partitioning`: one-shot, cleared by smp.reset()
 
 
 def register_post_partition_hook(hook: Callable[[], Any]) -> Callable[[], Any]:
@@ -34,7 +36,22 @@ def register_post_partition_hook(hook: Callable[[], Any]) -> Callable[[], Any]:
     return hook
 
 
+def run_after_partitioning(action: Callable[[], Any]) -> None:
+    """Run ``action`` once, at the next partitioning of a DistributedModel, after the registered hooks.
+
+    For smp's own deferred work (``CheckpointManager.restore()`` before the first step). Pending
+    actions are dropped at ``smp.reset()``.
+    """
+    from ..state import tf_state
+
+    if not _ONCE:
+        tf_state().close_hooks.append(_ONCE.clear)
+    _ONCE.append(action)
+
+
 def run_post_partition_hooks() -> None:
-    """Run every registered hook in registration order (the model calls this once)."""
+    """Run every registered hook in registration order, then the pending one-shot actions (once per model)."""
     for hook in list(_HOOKS):
         hook()
+    while _ONCE:
+        _ONCE.pop(0)()

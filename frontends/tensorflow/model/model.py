@@ -36,9 +36,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +53,10 @@ from smp.errors import SMPError
 from smp.partition import PartitionScopes
 
 from ..engine.executor import PartitionedCall
-from ..engine.link import current_link, pp_broadcast
+from ..engine.link import current_link, pp_broadcast, world_broadcast
 from ..engine.stages import StagePlan, plan_stages
 from ..engine.timeline import ActionLog
+from ..optimizers import install_for_session
 from ..partitioning.decide import decide, placement_table
 from ..partitioning.trace import input_signature, trace_call
 from ..state import TFState, tf_state
@@ -84,6 +86,8 @@ class _ModelState:
     log: ActionLog = field(default_factory=ActionLog)
     hooks_ran: bool = False
     pp_rank: int = 0
+    whole: int = 0  # > 0 inside `DistributedModel.whole_model`: calls run keras.Model.__call__
+    export_signature: list[Any] | None = None  # the first call's positional specs, batch None (save_model)
 
 
 class DistributedModel(keras.Model):
@@ -93,6 +97,8 @@ class DistributedModel(keras.Model):
         super().__init__(*args, **kwargs)
         self._smp = _ModelState()
         cfg = smp_state.current().cfg
+        if cfg is not None:
+            install_for_session()  # optimizer.get_gradients, when smp.init ran before Keras was imported
         self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section()) if cfg is not None else None
 
     # -- what users and tests read -----------------------------------------------------------
@@ -128,9 +134,51 @@ class DistributedModel(keras.Model):
                 return i
         raise SMPError(f"{variable!r} is not a variable of this model")
 
+    # -- saving ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def whole_model(self) -> Iterator[None]:
+        """Inside it, ``model(x)`` runs all of ``call()`` on this rank as a plain Keras model (export mode).
+
+        For writers that trace ``model(x)`` (``model.export``, ``model.save``); this rank's values of the
+        variables other ranks own are used, so `save_model` puts the owners' values in first.
+        """
+        self._smp.whole += 1
+        try:
+            yield
+        finally:
+            self._smp.whole -= 1
+
+    def save_model(self, save_path: str = "/opt/ml/model") -> None:
+        """Save the unpartitioned model, loadable by plain TensorFlow/Keras without smp (SMP v1; collective).
+
+        Every variable's trained value comes from its owner stage; world rank 0 writes a SavedModel
+        directory (``tf.saved_model.load(save_path).serve(x)``), or a Keras archive when
+        ``save_path`` ends in ``.keras`` (see `smp.tensorflow.checkpointing.saving.save_model`).
+
+        Raises:
+            SMPError: before the first step (the model is partitioned, and its variables exist, only then).
+            SMPCheckpointError: a rank could not take part or rank 0 could not write (on every rank).
+        """
+        from ..checkpointing.saving import save_model
+
+        if not self.partitioned:
+            raise SMPError(f"{type(self).__name__}.save_model() before the first step: the model is built and "
+                           "partitioned by its first call inside an smp.step. Fix: save after training steps")
+        signature = self._smp.export_signature
+        export = None
+        if signature is not None and not str(save_path).endswith(".keras"):
+            # Keras infers a subclassed model's export signature with its default float dtype; the
+            # first call's specs keep integer inputs (token ids) integer.
+            def export(model: Any, directory: str) -> None:
+                model.export(directory, input_signature=signature, verbose=False)
+
+        save_model(self, save_path, owner_of=self.variable_owner, export=export, whole_model=self.whole_model)
+
     # -- the call ----------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._smp.whole:
+            return super().__call__(*args, **kwargs)
         st = tf_state()
         if st.microbatch is None:
             raise SMPError(
@@ -145,6 +193,8 @@ class DistributedModel(keras.Model):
         if program is None:
             program = _in_fresh_thread(lambda: self._partition(args, kwargs, st))
             self._smp.programs[key] = program
+            if self._smp.export_signature is None:
+                self._smp.export_signature = _export_signature(args, kwargs)
         slot = (st.step_traces, st.microbatch)
         call = self._smp.calls.get(slot, 0)
         self._smp.calls = {slot: call + 1}
@@ -165,8 +215,9 @@ class DistributedModel(keras.Model):
             self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section())
         first = self._smp.owners is None
         traced = trace_call(self, args, kwargs, call=keras.Model.__call__)
-        if first and pp_size > 1:
-            self._agree_on_variables()
+        world = smp_state.current().rank_map.world_size
+        if first and world > 1:
+            self._agree_on_variables(world > pp_size)
         placement = decide(traced, pp_size=pp_size, cfg=cfg, owners=self._smp.owners,
                            broadcast=(lambda obj: pp_broadcast(obj, "the op placement")) if pp_size > 1 else None,
                            is_root=link.pp_rank == 0)
@@ -194,13 +245,18 @@ class DistributedModel(keras.Model):
             run_post_partition_hooks()
         return _Partitioned(plan=plan, runner=runner)
 
-    def _agree_on_variables(self) -> None:
-        """Every rank takes pipeline rank 0's variable values; fails naming the first mismatch."""
+    def _agree_on_variables(self, replicas: bool) -> None:
+        """Every rank takes pipeline rank 0's variable values; fails naming the first mismatch.
+
+        With several replicas (``replicas``: data or tensor parallel ranks) every rank takes world
+        rank 0's values, so the DP replicas start alike too (as ``hvd.broadcast_variables`` would).
+        """
         prefix = self.name + "/"
         mine = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, tuple(v.shape), str(v.dtype))
                 for v in self.variables]
-        sent = pp_broadcast((mine, [np.asarray(v.numpy()) for v in self.variables]),
-                            "the DistributedModel's initial variable values")
+        bcast = world_broadcast if replicas else pp_broadcast
+        sent = bcast((mine, [np.asarray(v.numpy()) for v in self.variables]),
+                     "the DistributedModel's initial variable values")
         names, values = sent
         for i, (a, b) in enumerate(zip(mine, names)):
             if a != b:
@@ -211,6 +267,23 @@ class DistributedModel(keras.Model):
                            "the same model on every rank")
         for v, value in zip(self.variables, values):
             v.assign(value)
+
+
+def _export_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The positional arguments as TensorSpecs with the batch dimension None; None when not all tensors."""
+    if any(isinstance(leaf, (tf.Tensor, tf.Variable, np.ndarray, tf.TensorSpec)) for leaf in tf.nest.flatten(kwargs)):
+        return None
+    leaves = tf.nest.flatten(args)
+    if not leaves or not all(isinstance(leaf, (tf.Tensor, np.ndarray, tf.TensorSpec)) for leaf in leaves):
+        return None
+
+    def spec(leaf: Any) -> tf.TensorSpec:
+        shape = leaf.shape if isinstance(leaf, tf.TensorSpec) else tf.convert_to_tensor(leaf).shape
+        dtype = leaf.dtype if isinstance(leaf, tf.TensorSpec) else tf.as_dtype(leaf.dtype)
+        dims = shape.as_list() if shape.rank is not None else None
+        return tf.TensorSpec(None if dims is None else [None, *dims[1:]] if dims else [], dtype)
+
+    return list(tf.nest.map_structure(spec, args))
 
 
 # Keras' thread-local settings the partitioning thread inherits (keras.src.backend.common.global_state).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,12 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     rt.env_added = _export_rank_env(launch)
     smp_state.update(cfg=cfg, rank_map=rank_map, rank=launch.rank, local_rank=launch.local_rank,
                      local_size=launch.local_size, framework="tensorflow", runtime=rt)
+    if "keras" in sys.modules and "tensorflow" in sys.modules:
+        # optimizer.get_gradients for SMP v1 scripts (cheap: Keras is loaded). Otherwise the first
+        # DistributedModel installs it, so a runtime-only script never imports TensorFlow here.
+        from ..optimizers import install_for_session
+
+        install_for_session()
     if launch.rank == 0:
         for note in cfg.notes:
             logger.info(note)
