@@ -104,3 +104,23 @@ def test_out_of_range_partition_is_an_error_and_a_none_batch_boundary_is_not() -
     plan = plan_stages(traced, placement, 2)
     assert [b.shape for b in plan.boundaries] == [(None, 16)]
     assert [op.type for op in traced.ops if op.name in plan.stages[1].ops].count("ReadVariableOp") == 4
+
+
+def test_without_data_parallelism_a_stage_function_is_the_plain_pruned_trace() -> None:
+    """No smp.init (dp_enabled() is False): no averaging op anywhere; the reads the DP path would feed are listed."""
+    from smp.tensorflow.data_parallel import dp_enabled
+
+    model, traced, placement = _plan("tied_lm", 2, tf.zeros((4, 3), tf.int32))
+    plan = plan_stages(traced, placement, 2)
+    assert not dp_enabled()
+    for stage in plan.stages:
+        fn = plan.function(stage)
+        assert isinstance(fn, tf.types.experimental.ConcreteFunction), type(fn)
+        assert not [op.name for op in fn.graph.get_operations() if "smp_dp_mean" in op.name]
+        reads = plan.trainable_reads(stage)
+        assert all(traced.var_of_read[r].trainable for r in reads)
+        assert reads == [n for n in stage.ops if n in traced.var_of_read and traced.var_of_read[n].trainable]
+    # The embedding is read by stage 0 (the lookup) and by stage 2 (its read is sent to the tied head).
+    emb = model.emb.embeddings
+    assert [any(traced.var_of_read[r] is emb for r in plan.trainable_reads(s)) for s in plan.stages] == [
+        True, False, True, False]
