@@ -7,9 +7,9 @@ first 3 steps'), only rank 0 prints the AWS lines, and for the Horovod variant t
 replicas of each stage hold equal variables after every epoch (the printed checksum), that the
 ranks of one pipeline report the same loss, and that each replica's loss goes down.
 
-Until ``optimizer.get_gradients`` is installed by smp.tensorflow and ``DistributedModel`` drops
-``training=`` for a ``call(self, x)`` without it (both used by the AWS script as published), a run
-failing with exactly one of those errors is an expected failure naming it; any other failure fails.
+Until ``DistributedModel`` drops ``training=`` for a ``call(self, x)`` without it, as Keras does (the
+AWS script calls ``model(images, training=True)`` on such a model), a run failing with exactly that
+error is an expected failure naming it; any other failure fails.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tens
 SHORT_RUN = ["--epochs", "2", "--steps", "6", "--batch-size", "32", "--train-samples", "512",
              "--test-samples", "64", "--log-every", "1"]
 KNOWN_BLOCKERS = {
-    "has no attribute 'get_gradients'": "optimizer.get_gradients is not installed by smp.tensorflow "
-                                        "(frontends/tensorflow/optimizers.install() is never called)",
     "got an unexpected keyword argument 'training'": "DistributedModel passes training= to a call(self, x) "
                                                      "without it (Keras drops it; partitioning.trace does not)",
 }
