@@ -21,6 +21,15 @@ its owner (`DistributedModel.variable_owner`); on the other ranks it keeps its i
 under optimizers that do not move a variable on a zero gradient (SGD, Adam), or drifts under
 ones that do (weight decay). It is never read there: those ranks do not run the ops that read it.
 
+Data parallelism (``horovod: True`` or ``ddp: True`` with more than one replica): the gradients
+are already averaged over the DP group when the step returns them (`engine.stages.StagePlan.function`
+averages each stage's variable reads, one bucketed allreduce per stage and microbatch); each
+rank's loss stays its own replica's. The replicas start from world rank 0's initial values.
+
+Saving: `DistributedModel.save_model` writes the unpartitioned model (SMP v1), which plain
+TensorFlow loads without smp; ``smp.CheckpointManager`` saves each stage's variables, and its
+``restore()`` before the first step runs when the model is partitioned.
+
 Example:
     >>> class Model(smp.DistributedModel):
     ...     def __init__(self):

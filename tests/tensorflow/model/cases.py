@@ -159,6 +159,17 @@ def launch(cases: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, An
     return {f"{name}/{spelling}": train(name, spelling) for name, spelling in cases}
 
 
+def launch_sessions(sessions: dict[str, tuple[list[tuple[str, str]], dict[str, Any]]]) -> dict[str, Any]:
+    """Several `launch` sessions in one job (``smp.reset()`` between them): one TF start-up for all."""
+    import smp.tensorflow as smp
+
+    out = {}
+    for name, (todo, config) in sessions.items():
+        out[name] = launch(todo, config)
+        smp.reset()
+    return out
+
+
 def _error_text(fn: Any) -> str:
     try:
         fn()

@@ -68,10 +68,17 @@ def _check_case(results: list[dict[str, Any]], key: str, pp: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def pp2() -> list[dict[str, Any]]:
-    return run_mpi_ranks(cases.launch, 2, args=([("mlp", "tape"), ("tied_lm", "get_gradients"),
-                                                 ("bn_dropout", "tape"), ("tied_lm", "tape+none_batch")],
-                                                _config(2)), timeout=300)
+def pp2_sessions() -> list[dict[str, Any]]:
+    """Manual placement, then (after smp.reset) auto_partition: one 2-rank job."""
+    return run_mpi_ranks(cases.launch_sessions, 2, args=({
+        "manual": ([("mlp", "tape"), ("tied_lm", "get_gradients"), ("bn_dropout", "tape"),
+                    ("tied_lm", "tape+none_batch")], _config(2)),
+        "auto": ([("tied_lm", "tape")], _config(2, auto=True))},), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def pp2(pp2_sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["manual"] for r in pp2_sessions]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +88,8 @@ def pp3() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def pp2_auto() -> list[dict[str, Any]]:
-    return run_mpi_ranks(cases.launch, 2, args=([("tied_lm", "tape")], _config(2, auto=True)), timeout=300)
+def pp2_auto(pp2_sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["auto"] for r in pp2_sessions]
 
 
 @pytest.fixture(scope="module")
