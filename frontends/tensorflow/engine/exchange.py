@@ -17,7 +17,8 @@ exchange op lies on the path from ``model.trainable_variables`` to the loss: a t
 and returns a tensor for every variable, never None. In a ``tf.function`` the stateful
 numpy_functions run in creation order (automatic control dependencies), which is the same global
 stage order on every rank, hence no deadlock: sends never block, and a receive waits only for a
-tensor an earlier stage produces.
+tensor an earlier stage produces. With overlap (`engine.schedule`, ``keep`` given) the transfers
+are `independent`: data edges alone order them, and the step's gate orders the work around them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,24 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Recv", "Send", "exchange", "recv_op", "send_op"]
+__all__ = ["Recv", "Send", "exchange", "independent", "recv_op", "send_op"]
+
+
+def independent(tensor: tf.Tensor, keep: list[Any]) -> tf.Tensor:
+    """Take a stateful op out of the ``tf.function``'s program-order chain (and note it in ``keep``).
+
+    Automatic control dependencies run the stateful ops of a function in creation order; an op
+    marked with the tracing graph's ``experimental_acd_manager.run_independently`` still runs
+    (before the function returns) but is ordered by its data and control edges only. A *stateless*
+    ``numpy_function`` would not do: Grappler drops control edges from stateless ops (measured:
+    a marker before a matmul never ran) and prunes what no output needs.
+    """
+    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+    if manager is None:
+        raise RuntimeError("overlapped transfers need a tf.function trace (no automatic control dependencies here)")
+    manager.run_independently(tensor.op)
+    keep.append(tensor)
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -65,8 +83,12 @@ class Recv:
 
 
 def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str,
-            shape_tag: int | None = None) -> tf.Tensor:
-    """A non-blocking send of ``tensor`` (after its shape, with ``shape_tag``); returns an int32 token."""
+            shape_tag: int | None = None, keep: list[Any] | None = None) -> tf.Tensor:
+    """A non-blocking send of ``tensor`` (after its shape, with ``shape_tag``); returns an int32 token.
+
+    ``keep``: None for an op in program order (lockstep); a list for an `independent` one
+    (overlap: ordered by its data and control edges only), which is appended to it.
+    """
 
     def send(array: np.ndarray) -> np.int32:
         if shape_tag is not None:
@@ -74,12 +96,14 @@ def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str,
         transport.isend(np.ascontiguousarray(array), dest, tag, what)
         return np.int32(0)
 
-    return tf.numpy_function(send, [tensor], tf.int32, stateful=True, name="smp_send")
+    token = tf.numpy_function(send, [tensor], tf.int32, stateful=True, name="smp_send")
+    return token if keep is None else independent(token, keep)
 
 
 def recv_op(transport: Any, shape: tuple[int | None, ...], dtype: tf.DType, src: int, tag: int, what: str,
-            deps: Sequence[tf.Tensor], *, shape_tag: int | None = None, like: tf.Tensor | None = None) -> tf.Tensor:
-    """A blocking receive (after ``deps``) of a tensor of ``shape`` and ``dtype``.
+            deps: Sequence[tf.Tensor], *, shape_tag: int | None = None, like: tf.Tensor | None = None,
+            keep: list[Any] | None = None) -> tf.Tensor:
+    """A blocking receive (after ``deps``) of a tensor of ``shape`` and ``dtype``; ``keep`` as in `send_op`.
 
     A partly unknown ``shape`` is completed by a shape message (``shape_tag``) or, for a gradient,
     by the runtime shape of ``like`` (the tensor it is the gradient of).
@@ -100,6 +124,8 @@ def recv_op(transport: Any, shape: tuple[int | None, ...], dtype: tf.DType, src:
     inputs = list(deps) + ([tf.shape(like, out_type=tf.int64)] if like is not None and not static else [])
     out = tf.numpy_function(recv, inputs, dtype, stateful=True, name="smp_recv")
     out.set_shape(shape)
+    if keep is not None:
+        independent(out, keep)
     return out
 
 
@@ -109,7 +135,8 @@ def _differentiable(dtype: tf.DType) -> bool:
 
 def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, Sequence[Send]]],
              recvs: Sequence[Recv], passthrough: Sequence[tf.Tensor] = (),
-             anchors: Sequence[tf.Tensor] = ()) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+             anchors: Sequence[tf.Tensor] = (),
+             keep: list[Any] | None = None) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
     """One crossing point on this rank.
 
     Args:
@@ -120,6 +147,8 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
         passthrough: local tensors returned unchanged (the model outputs this rank computed);
             their gradient passes through.
         anchors: variable reads to connect to the loss; their gradient is zero.
+        keep: None for transfers in program order (lockstep); a list that collects the
+            `independent` transfer ops, forward and backward (overlap: `engine.schedule`).
 
     Returns:
         (chain out, received tensors, passthrough tensors).
@@ -131,9 +160,10 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
     def op(*args: tf.Tensor) -> Any:
         chain_in = args[0]
         sent = args[1:1 + n_send]
-        tokens = [send_op(transport, t, d.dest, d.tag, d.what, d.shape_tag) for t, ds in zip(sent, dests) for d in ds]
+        tokens = [send_op(transport, t, d.dest, d.tag, d.what, d.shape_tag, keep)
+                  for t, ds in zip(sent, dests) for d in ds]
         received = [recv_op(transport, r.shape, r.dtype, r.src, r.tag, r.what, [chain_in, *tokens],
-                            shape_tag=r.shape_tag) for r in recvs]
+                            shape_tag=r.shape_tag, keep=keep) for r in recvs]
         with tf.control_dependencies([*tokens, *received]):
             chain_out = tf.identity(chain_in)
         passed = [tf.identity(t) for t in args[1 + n_send:1 + n_send + n_pass]]
@@ -145,14 +175,16 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
                 if r.grad_tag is None or not _differentiable(r.dtype):
                     continue
                 u = tf.zeros_like(got) if u is None else u
-                back.append(send_op(transport, u, r.src, r.grad_tag, f"gradient of {r.what}"))
+                back.append(send_op(transport, u, r.src, r.grad_tag, f"gradient of {r.what}", keep=keep))
             d_sent: list[tf.Tensor | None] = []
             for t, ds in zip(sent, dests):
                 if not _differentiable(t.dtype):
                     d_sent.append(None)
                     continue
+                # With overlap, chain_in keeps the op off Grappler's constants (d_chain may be a zero).
+                deps = [d_chain, *back] if keep is None else [d_chain, chain_in, *back]
                 parts = [recv_op(transport, tuple(t.shape.as_list()), t.dtype, d.dest, d.grad_tag,
-                                 f"gradient of {d.what}", [d_chain, *back], like=t)
+                                 f"gradient of {d.what}", deps, like=t, keep=keep)
                          for d in ds if d.grad_tag is not None]
                 d_sent.append(tf.add_n(parts) if parts else tf.zeros_like(t))
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):

@@ -11,6 +11,10 @@ After the last stage the model outputs go from the rank that computed each one t
 rank of the pipeline group (outputs are available on all ranks). Message tags come from
 `Tags`: (step trace, microbatch, call within the microbatch, message, direction), folded into
 ``[0, max_tag)``.
+
+Lockstep by default; with ``SMP_TF_OVERLAP=1`` (and a large enough inter-op pool) the transfers
+are stateless and a `schedule.StepGate` runs this rank's stages' forward and backward in the
+shared scheduler's order (`engine.schedule`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tensorflow as tf
 from smp.errors import SMPError
 
 from .exchange import Recv, Send, exchange
+from .schedule import gate_for
 from .stages import StagePlan
 from .timeline import ActionLog
 
@@ -104,6 +109,8 @@ class PartitionedCall:
                     self._messages[("o", i, q)] = len(self._messages)
         self._tags: dict[int, Tags] = {}
         self._num_microbatches = 1
+        self._chain = [s.partition for s in plan.stages]
+        self._local_stages = sum(s.partition == link.pp_rank for s in plan.stages)
 
     def _tag(self, key: tuple[str, int, int], ctx: tuple[int, int, int], kind: int) -> int:
         step_trace, mb, call = ctx
@@ -132,7 +139,11 @@ class PartitionedCall:
         plan, me, ranks = self.plan, self.link.pp_rank, self.link.ranks
         ctx = (step_trace, microbatch, call)
         values: dict[str, tf.Tensor] = {t.name: tf.convert_to_tensor(x) for t, x in zip(plan.traced.inputs, inputs)}
-        chain: tf.Tensor | None = None
+        gate = None
+        if plan.pp_size > 1:
+            gate = gate_for(step_trace, self._num_microbatches, me, self._chain, self._local_stages, self.log)
+        keep = gate.keep if gate is not None else None
+        chain: tf.Tensor | None = _first_chain(list(values.values())) if gate is not None else None
         anchors_left = True
 
         def crossing(sends: list[tuple[tf.Tensor, list[Send]]], recvs: list[Recv],
@@ -141,16 +152,19 @@ class PartitionedCall:
             anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
             anchors_left = False
             chain, got, passed = exchange(self.link.transport, chain if chain is not None else tf.zeros(()),
-                                          sends, recvs, passthrough, anchors)
+                                          sends, recvs, passthrough, anchors, keep=keep)
             return got, passed
 
         for stage in plan.stages:
             if stage.partition == me:
-                self.log.mark(microbatch, "F", stage.index)
+                token = self.log.mark(microbatch, "F", stage.index, gate, chain)
                 fn = plan.function(stage)
-                result = fn(*[values[t.name] for t in stage.feeds])
+                with tf.control_dependencies([token] if gate is not None else []):
+                    result = fn(*[values[t.name] for t in stage.feeds])
                 result = list(result)[: len(stage.fetches)] if isinstance(result, (list, tuple)) else [result]
-                outs = self.log.on_backward(microbatch, stage.index, result)
+                if gate is not None:
+                    gate.end_forward(token, [r for r in result if isinstance(r, tf.Tensor)])
+                outs = self.log.on_backward(microbatch, stage.index, result, gate)
                 for t, v in zip(stage.fetches, outs):
                     values[t.name] = v
             sends: list[tuple[tf.Tensor, list[Send]]] = []
@@ -195,3 +209,15 @@ class PartitionedCall:
         for i, (t, src) in enumerate(zip(outputs, plan.output_source)):
             result.append(values[t.name] if src is None else by_index[i])
         return result
+
+
+def _first_chain(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The first chain value with overlap: a scalar read from the inputs, so no transfer hangs off a constant.
+
+    Grappler may evaluate a stateless op whose inputs are all constants at optimisation time; a
+    receive must never run there.
+    """
+    for x in inputs:
+        if x.dtype.is_floating or x.dtype.is_integer or x.dtype == tf.bool:
+            return tf.reduce_sum(tf.cast(tf.reshape(x, [-1])[:1], tf.float32))
+    return tf.zeros(())

@@ -1,0 +1,133 @@
+"""Overlapped microbatches (``SMP_TF_OVERLAP=1``): each rank runs its work in the shared scheduler's order.
+
+Real MPI ranks, real Keras models (`tests.tensorflow.model.cases`: the DistributedModel through
+``@smp.step`` in an outer ``@tf.function``, against the same model in one Keras process). Checked:
+
+- the recorded order of (kind, microbatch) on every rank equals `smp.pipeline.choose.rank_plan`
+  for the config's ``pipeline`` (``simple``: GPipe; ``interleaved``: 1F1B) and the stages' chain;
+- the ranks overlapped, by order alone (no timing): on pp rank 0, microbatch 1's forward started
+  before microbatch 0's backward, which cannot start before the last rank has done microbatch 0's
+  backward (lockstep runs F0 B0 F1 ...);
+- losses of every step and every variable after 3 Adam steps equal one process (the tolerances
+  of the lockstep tests), with skip connections, a tied embedding, BatchNorm and dropout;
+- the measured timeline has one event per action and renders with the torch renderers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.helpers.mpi_spawn import run_mpi_ranks
+
+pytestmark = pytest.mark.mpi
+
+LOSS_RTOL = 1e-6
+VAR_ATOL, VAR_RTOL = 2e-6, 1e-6
+THREADS = 96
+
+
+def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, Any]:
+    """One rank: overlap on, a large inter-op pool (before TF's first op), then each case of `cases.train`."""
+    import os
+
+    os.environ["SMP_TF_OVERLAP"] = "1"
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+    import smp.tensorflow as smp
+    from smp.tensorflow.engine.timeline import step_timeline
+    from smp.tensorflow.state import tf_state
+
+    import smp.state as smp_state
+    from smp.pipeline import render_ascii, render_svg
+    from smp.pipeline.choose import rank_plan
+    from tests.tensorflow.model import cases
+
+    cases.MICROBATCHES = int(config["microbatches"])
+    smp.init(config)
+    out: dict[str, Any] = {}
+    for name, spelling in cases_:
+        result = cases.train(name, spelling)
+        model = tf_state().model
+        cfg = smp_state.current().cfg
+        chain = [int(line.split("partition ")[1].split(",")[0]) for line in result["stages"].splitlines()]
+        plan = rank_plan(cfg.pipeline_section(), chain, True, smp.pp_rank(), light=set(),
+                         forward_active=int(cfg.active_microbatches))
+        timeline = step_timeline(model._smp.log, smp.pp_rank(), smp.pp_size())  # noqa: SLF001 - see the report
+        result.update(plan=plan.baton, chain=chain, events=len(timeline.events), ranks=timeline.num_ranks,
+                      svg=render_svg(timeline)[:5], ascii=render_ascii(timeline),
+                      all_steps=[list(a) for a in model.step_actions])
+        out[f"{name}/{spelling}"] = result
+    return out
+
+
+def _check(results: list[dict[str, Any]], key: str, pp: int, microbatches: int) -> None:
+    ranks = [r[key] for r in results]
+    ref = next(r for r in ranks if "ref_losses" in r)
+    for r in ranks:
+        np.testing.assert_allclose(r["losses"], ref["ref_losses"], rtol=LOSS_RTOL,
+                                   err_msg=f"{key}: losses of pp rank {r['pp_rank']}")
+        assert r["none_grads"] and not any(r["none_grads"]), f"{key}: None gradients on pp rank {r['pp_rank']}"
+    owned: dict[int, np.ndarray] = {}
+    for r in ranks:
+        owned.update(r["owned"])
+    assert sorted(owned) == list(range(len(ref["ref_vars"]))), f"{key}: variables without an owner"
+    for i, value in owned.items():
+        np.testing.assert_allclose(value, ref["ref_vars"][i], rtol=VAR_RTOL, atol=VAR_ATOL,
+                                   err_msg=f"{key}: variable {i} ({ref['paths'][i]})")
+    for r in ranks:
+        # Every step, not just the last, follows the plan (a fresh baton per run of the step).
+        for step, actions in enumerate(r["all_steps"]):
+            order = [(kind, m) for m, kind, _ in actions]
+            assert order == [tuple(a) for a in r["plan"]], (
+                f"{key}: pp rank {r['pp_rank']} step {step} ran\n  {order}\nthe plan for chain {r['chain']} is\n"
+                f"  {r['plan']}")
+        assert r["events"] == sum(len(x["actions"]) for x in ranks), f"{key}: timeline events"
+        assert r["ranks"] == pp, f"{key}: timeline lanes {r['ranks']}"
+        assert r["svg"].startswith(("<svg", "<?xml")), f"{key}: render_svg gave {r['svg']!r}"
+        assert "F0" in r["ascii"], r["ascii"]
+    first = next(r for r in ranks if r["pp_rank"] == 0)["actions"]
+    order = [(kind, m) for m, kind, _ in first]
+    assert order.index(("F", 1)) < order.index(("B", 0)), f"{key}: pp rank 0 did not overlap microbatches: {order}"
+    assert len(first) == 2 * microbatches * len([p for p in ranks[0]["chain"] if p == 0])
+
+
+@pytest.fixture(scope="module")
+def pp2_simple() -> list[dict[str, Any]]:
+    config = {"pipeline_parallel_degree": 2, "microbatches": 8, "pipeline": "simple", "auto_partition": False,
+              "default_partition": 0}
+    return run_mpi_ranks(launch, 2, args=([("mlp", "tape"), ("tied_lm", "get_gradients"), ("bn_dropout", "tape")],
+                                          config), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pp2_interleaved() -> list[dict[str, Any]]:
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved", "auto_partition": False,
+              "default_partition": 0}
+    return run_mpi_ranks(launch, 2, args=([("tied_lm", "tape"), ("bn_dropout", "tape")], config), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pp3_interleaved() -> list[dict[str, Any]]:
+    config = {"pipeline_parallel_degree": 3, "microbatches": 4, "pipeline": "interleaved", "auto_partition": False,
+              "default_partition": 0}
+    return run_mpi_ranks(launch, 3, args=([("tied_lm", "tape")], config), timeout=300)
+
+
+@pytest.mark.parametrize("key", ["mlp/tape", "tied_lm/get_gradients", "bn_dropout/tape"])
+def test_pp2_simple_follows_the_plan_and_matches_one_process(pp2_simple: list[dict[str, Any]], key: str) -> None:
+    _check(pp2_simple, key, 2, 8)
+
+
+@pytest.mark.parametrize("key", ["tied_lm/tape", "bn_dropout/tape"])
+def test_pp2_interleaved_follows_the_plan_and_matches_one_process(pp2_interleaved: list[dict[str, Any]],
+                                                                   key: str) -> None:
+    _check(pp2_interleaved, key, 2, 4)
+
+
+def test_pp3_interleaved_tied_lm(pp3_interleaved: list[dict[str, Any]]) -> None:
+    """Chain 0 -> 1 -> 2 -> 0 (the tied head on rank 0): rank 0 has two stages per microbatch."""
+    _check(pp3_interleaved, "tied_lm/tape", 3, 4)
