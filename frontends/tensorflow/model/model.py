@@ -197,6 +197,10 @@ class DistributedModel(keras.Model):
         if self._smp.tf_state is not None and self._smp.tf_state is not st:
             raise SMPError(f"this {type(self).__name__} was partitioned before smp.reset(); build a new model "
                            "after smp.init()")
+        # As keras.Layer.__call__ does: training= / mask= reach call() only when it takes them.
+        for name, takes in (("training", "_call_has_training_arg"), ("mask", "_call_has_mask_arg")):
+            if name in kwargs and not getattr(self, takes, True):
+                kwargs = {k: v for k, v in kwargs.items() if k != name}
         _, key = input_signature(args, kwargs)
         program = self._smp.programs.get(key)
         if program is None:

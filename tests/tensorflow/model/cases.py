@@ -20,7 +20,9 @@ _HOOK_RUNS: list[int] = []
 
 
 def _hook() -> None:
-    """The post-partition hook: the reference's initial values into the model being partitioned."""
+    """The post-partition hook: the reference's initial values into the model being partitioned (if `train` set one)."""
+    if "model" not in _PENDING:
+        return
     _HOOK_RUNS.append(1)
     model, values = _PENDING.pop("model"), _PENDING.pop("values")
     for v, a in zip(model.variables, values):
@@ -214,6 +216,16 @@ def single() -> dict[str, Any]:
         return wrong(x)
 
     out["partition_out_of_range"] = _error_text(lambda: bad(tf.zeros((8, 3))))
+
+    # SMP v1 scripts call model(x, training=True) on a call(self, x): dropped, as Keras does.
+    plain = MODELS["mlp"](smp.DistributedModel, 1)()
+
+    @step
+    def forward(x: Any) -> Any:
+        return plain(x, training=True), plain(x)
+
+    with_flag, without = forward(tf.ones((8, 6)))
+    out["training_dropped"] = [with_flag.concat().numpy(), without.concat().numpy(), len(plain._smp.programs)]
     optimizers.install()
     optimizers.install()
     out["installed"] = optimizers.installed() and hasattr(opt, "get_gradients")

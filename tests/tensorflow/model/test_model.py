@@ -145,3 +145,6 @@ def test_misuse_errors_name_the_fix(pp1: list[dict[str, Any]]) -> None:
     assert r["partition_out_of_range"].startswith("InvalidPartitionIDError"), r["partition_out_of_range"]
     assert "[0, 1)" in r["partition_out_of_range"]
     assert r["installed"] and r["uninstalled"]
+    with_flag, without, programs = r["training_dropped"]
+    np.testing.assert_array_equal(with_flag, without)
+    assert programs == 1, "training= on a call() without it should not make a second trace"
