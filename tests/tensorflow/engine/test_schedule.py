@@ -88,7 +88,7 @@ def _check(results: list[dict[str, Any]], key: str, pp: int, microbatches: int) 
         assert r["events"] == sum(len(x["actions"]) for x in ranks), f"{key}: timeline events"
         assert r["ranks"] == pp, f"{key}: timeline lanes {r['ranks']}"
         assert r["svg"].startswith(("<svg", "<?xml")), f"{key}: render_svg gave {r['svg']!r}"
-        assert "F0" in r["ascii"], r["ascii"]
+        assert all(f"rank {p}" in r["ascii"] for p in range(pp)), r["ascii"]
     first = next(r for r in ranks if r["pp_rank"] == 0)["actions"]
     order = [(kind, m) for m, kind, _ in first]
     assert order.index(("F", 1)) < order.index(("B", 0)), f"{key}: pp rank 0 did not overlap microbatches: {order}"
