@@ -42,7 +42,8 @@ the variables of a Keras model exist only once it has been called, so `Checkpoin
 before the first step returns a `DeferredRestore` and the restore runs once, when the first
 ``DistributedModel`` is partitioned (inside the first step's trace, before its first forward; Keras
 optimizers in the checkpoint are built first, so their slots are restored too). After the first step
-it restores at once. A script whose step calls no DistributedModel must restore after the first step.
+it restores at once. Before the first step with no DistributedModel constructed (a plain Keras model
+in the step) it raises: nothing would run the deferred restore; restore after the first step.
 
 Example (every rank runs the same lines)::
 
@@ -367,12 +368,19 @@ class CheckpointManager(tf.train.CheckpointManager):
             checkpoint; before the first step a `DeferredRestore` that holds it once it has run.
 
         Raises:
-            SMPCheckpointError: ``restore_prefix`` is not committed; a stage lacks its files or
-                cannot read them (every rank raises, naming the ranks).
+            SMPCheckpointError: before the first step with no DistributedModel constructed;
+                ``restore_prefix`` is not committed; a stage lacks its files or cannot read them
+                (every rank raises, naming the ranks).
         """
         if tf_state().step_traces <= 0:
-            from ..model.hooks import run_after_partitioning
+            from ..model.hooks import model_constructed, run_after_partitioning
 
+            if not model_constructed():
+                raise SMPCheckpointError(
+                    "smp.CheckpointManager.restore() before the first step, with no smp.DistributedModel built: a "
+                    "restore before the first step is deferred until a DistributedModel is partitioned, so without one "
+                    "it would never run. Fix: build the DistributedModel first, or restore after the first step "
+                    "(the step's updates are then replaced by the checkpoint's values)")
             pending = DeferredRestore()
 
             def deferred() -> None:

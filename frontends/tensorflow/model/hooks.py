@@ -36,6 +36,23 @@ def register_post_partition_hook(hook: Callable[[], Any]) -> Callable[[], Any]:
     return hook
 
 
+_MODEL_BUILT: list[bool] = []  # non-empty once a DistributedModel was constructed in this smp.init session
+
+
+def note_model_constructed() -> None:
+    """Record that this session has a DistributedModel (so a deferred action will run); `smp.reset()` forgets it."""
+    from ..state import tf_state
+
+    if not _MODEL_BUILT:
+        _MODEL_BUILT.append(True)
+        tf_state().close_hooks.append(_MODEL_BUILT.clear)
+
+
+def model_constructed() -> bool:
+    """Whether a DistributedModel was constructed since ``smp.init``."""
+    return bool(_MODEL_BUILT)
+
+
 def run_after_partitioning(action: Callable[[], Any]) -> None:
     """Run ``action`` once, at the next partitioning of a DistributedModel, after the registered hooks.
 

@@ -69,7 +69,7 @@ from ..optimizers import install_for_session
 from ..partitioning.decide import decide, placement_table
 from ..partitioning.trace import input_signature, trace_call
 from ..state import TFState, tf_state
-from .hooks import run_post_partition_hooks
+from .hooks import note_model_constructed, run_post_partition_hooks
 
 __all__ = ["DistributedModel"]
 
@@ -108,6 +108,7 @@ class DistributedModel(keras.Model):
         cfg = smp_state.current().cfg
         if cfg is not None:
             install_for_session()  # optimizer.get_gradients, when smp.init ran before Keras was imported
+            note_model_constructed()
         self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section()) if cfg is not None else None
 
     # -- what users and tests read -----------------------------------------------------------
