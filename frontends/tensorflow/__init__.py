@@ -7,6 +7,8 @@ only mpi4py; the names that need TensorFlow (``DistributedModel``, ``step``, ``C
 pay TensorFlow's import (~5 s and ~540 MB per rank). Nothing here imports torch.
 """
 
+import sys
+import types
 from importlib import import_module
 from typing import Any
 
@@ -38,3 +40,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """Keeps ``smp.tensorflow.step`` the decorator once the submodule of the same name is imported.
+
+    Importing a submodule sets it as an attribute of its package; the first import of
+    ``smp.tensorflow.step`` (by ``DistributedModel``'s Keras loop, say) would otherwise replace the
+    lazily loaded function with the module. The module stays importable by its full name
+    (``from smp.tensorflow.step import StepOutput``).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

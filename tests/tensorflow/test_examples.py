@@ -7,9 +7,8 @@ first 3 steps'), only rank 0 prints the AWS lines, and for the Horovod variant t
 replicas of each stage hold equal variables after every epoch (the printed checksum), that the
 ranks of one pipeline report the same loss, and that each replica's loss goes down.
 
-Until ``DistributedModel`` drops ``training=`` for a ``call(self, x)`` without it, as Keras does (the
-AWS script calls ``model(images, training=True)`` on such a model), a run failing with exactly that
-error is an expected failure naming it; any other failure fails.
+The AWS script calls ``model(images, training=True)`` on a ``call(self, x)`` without ``training``:
+``DistributedModel`` drops the keyword as Keras does.
 """
 
 from __future__ import annotations
@@ -24,17 +23,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.mpi_spawn import RankFailure, run_mpi_ranks
+from tests.helpers.mpi_spawn import run_mpi_ranks
 
 pytestmark = pytest.mark.mpi
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tensorflow")
 SHORT_RUN = ["--epochs", "2", "--steps", "6", "--batch-size", "32", "--train-samples", "512",
              "--test-samples", "64", "--log-every", "1"]
-KNOWN_BLOCKERS = {
-    "got an unexpected keyword argument 'training'": "DistributedModel passes training= to a call(self, x) "
-                                                     "without it (Keras drops it; partitioning.trace does not)",
-}
 STEP_LINE = re.compile(r"^epoch (\d+) step (\d+) loss ([0-9.]+) accuracy")
 RANK_LINE = re.compile(r"^rank (\d+) pp_rank (\d+) dp_rank (\d+) epoch (\d+) loss ([0-9.]+) checksum (\S+)$")
 
@@ -56,13 +51,7 @@ def run_example(name: str, argv: list[str]) -> str:
 def _launch(name: str, n: int, config: dict[str, Any]) -> list[str]:
     import json
 
-    try:
-        return run_mpi_ranks(run_example, n, args=(name, [*SHORT_RUN, "--config", json.dumps(config)]), timeout=240)
-    except RankFailure as e:
-        for marker, why in KNOWN_BLOCKERS.items():
-            if marker in str(e):
-                pytest.xfail(f"{name} is blocked: {why}. The rank's error contains {marker!r}")
-        raise
+    return run_mpi_ranks(run_example, n, args=(name, [*SHORT_RUN, "--config", json.dumps(config)]), timeout=240)
 
 
 def _losses_go_down(rank0: str) -> None:

@@ -1,8 +1,8 @@
 """Keras fit / evaluate / predict on a DistributedModel through `smp.tensorflow.keras_loop` (real MPI ranks).
 
 Each launch builds one model class twice: a plain ``keras.Model`` trained by Keras' own ``fit`` in
-this process (the reference, full batches), and a `DistributedModel` whose ``train_step`` /
-``test_step`` / ``predict_step`` call `keras_loop` (the one-line wiring the model will get), with
+this process (the reference, full batches), and the same class on `DistributedModel`, whose
+``compile`` / ``fit`` / ``train_step`` / ``test_step`` / ``predict_step`` go through `keras_loop`, with
 the reference's initial values (a post-partition hook copies them in). Same data, batch size,
 epochs, ``shuffle=False``, SGD and Adam. Compared on every rank: ``fit`` history (loss, accuracy
 per epoch), ``evaluate``'s loss and accuracy, ``predict``'s full array, and every variable on its
@@ -48,28 +48,8 @@ def _model_class(base: type, pp: int) -> type:
 
 def _distributed_class(pp: int) -> type:
     import smp.tensorflow as smp
-    from smp.tensorflow import keras_loop
 
-    class Distributed(_model_class(smp.DistributedModel, pp)):  # type: ignore[misc]
-        """The wiring DistributedModel gets: one line per method."""
-
-        def compile(self, *args: Any, **kwargs: Any) -> None:
-            super().compile(*args, **keras_loop.compile_kwargs(kwargs))
-
-        def fit(self, *args: Any, **kwargs: Any) -> Any:
-            keras_loop.check_fit_kwargs(kwargs)
-            return super().fit(*args, **kwargs)
-
-        def train_step(self, data: Any) -> Any:
-            return keras_loop.train_step(self, data)
-
-        def test_step(self, data: Any) -> Any:
-            return keras_loop.test_step(self, data)
-
-        def predict_step(self, data: Any) -> Any:
-            return keras_loop.predict_step(self, data)
-
-    return Distributed
+    return _model_class(smp.DistributedModel, pp)
 
 
 def _copy_initial_values() -> None:

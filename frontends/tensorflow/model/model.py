@@ -61,6 +61,7 @@ import smp.state as smp_state
 from smp.errors import SMPError
 from smp.partition import PartitionScopes
 
+from .. import keras_loop
 from ..engine.executor import PartitionedCall
 from ..engine.link import current_link, pp_broadcast, world_broadcast
 from ..engine.stages import StagePlan, plan_stages
@@ -183,6 +184,33 @@ class DistributedModel(keras.Model):
                 model.export(directory, input_signature=signature, verbose=False)
 
         save_model(self, save_path, owner_of=self.variable_owner, export=export, whole_model=self.whole_model)
+
+    # -- the Keras loop (SMP v1 >= 1.4: fit / evaluate / predict run their steps under smp) -----
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``keras.Model.compile``; ``jit_compile`` is off (XLA cannot compile the engine's transfers)."""
+        super().compile(*args, **keras_loop.compile_kwargs(kwargs))
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """``keras.Model.fit`` with each batch run by `keras_loop.train_step` under ``smp.step``."""
+        keras_loop.check_fit_kwargs(kwargs, "fit")
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        keras_loop.check_fit_kwargs(kwargs, "evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        keras_loop.check_fit_kwargs(kwargs, "predict")
+        return super().predict(*args, **kwargs)
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        return keras_loop.train_step(self, data)
+
+    def test_step(self, data: Any) -> dict[str, Any]:
+        return keras_loop.test_step(self, data)
+
+    def predict_step(self, data: Any) -> Any:
+        return keras_loop.predict_step(self, data)
 
     # -- the call ----------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
