@@ -63,6 +63,7 @@ class Send:
     grad_tag: int | None
     what: str
     shape_tag: int | None = None
+    stream: Any = None  # with overlap: the gradient receives of one stream wait for each other
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Recv:
     grad_tag: int | None
     what: str
     shape_tag: int | None = None
+    stream: Any = None  # with overlap: the receives of one stream (a message over microbatches) in order
 
 
 def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str,
@@ -102,7 +104,7 @@ def send_op(transport: Any, tensor: tf.Tensor, dest: int, tag: int, what: str,
 
 def recv_op(transport: Any, shape: tuple[int | None, ...], dtype: tf.DType, src: int, tag: int, what: str,
             deps: Sequence[tf.Tensor], *, shape_tag: int | None = None, like: tf.Tensor | None = None,
-            keep: list[Any] | None = None) -> tf.Tensor:
+            keep: list[Any] | None = None, after: tf.Tensor | None = None) -> tf.Tensor:
     """A blocking receive (after ``deps``) of a tensor of ``shape`` and ``dtype``; ``keep`` as in `send_op`.
 
     A partly unknown ``shape`` is completed by a shape message (``shape_tag``) or, for a gradient,
@@ -122,11 +124,21 @@ def recv_op(transport: Any, shape: tuple[int | None, ...], dtype: tf.DType, src:
         return np.asarray(transport.recv(dims, np_dtype, src, tag, what), dtype=np_dtype).reshape(dims)
 
     inputs = list(deps) + ([tf.shape(like, out_type=tf.int64)] if like is not None and not static else [])
-    out = tf.numpy_function(recv, inputs, dtype, stateful=True, name="smp_recv")
+    with tf.control_dependencies([after] if after is not None else []):
+        out = tf.numpy_function(recv, inputs, dtype, stateful=True, name="smp_recv")
     out.set_shape(shape)
     if keep is not None:
         independent(out, keep)
     return out
+
+
+def _after(streams: dict[Any, tf.Tensor] | None, key: tuple[str, Any]) -> tf.Tensor | None:
+    return None if streams is None or key[1] is None else streams.get(key)
+
+
+def _follow(streams: dict[Any, tf.Tensor] | None, key: tuple[str, Any], got: tf.Tensor) -> None:
+    if streams is not None and key[1] is not None:
+        streams[key] = got
 
 
 def _differentiable(dtype: tf.DType) -> bool:
@@ -135,8 +147,8 @@ def _differentiable(dtype: tf.DType) -> bool:
 
 def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, Sequence[Send]]],
              recvs: Sequence[Recv], passthrough: Sequence[tf.Tensor] = (),
-             anchors: Sequence[tf.Tensor] = (),
-             keep: list[Any] | None = None) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+             anchors: Sequence[tf.Tensor] = (), keep: list[Any] | None = None,
+             streams: dict[Any, tf.Tensor] | None = None) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
     """One crossing point on this rank.
 
     Args:
@@ -149,6 +161,10 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
         anchors: variable reads to connect to the loss; their gradient is zero.
         keep: None for transfers in program order (lockstep); a list that collects the
             `independent` transfer ops, forward and backward (overlap: `engine.schedule`).
+        streams: with ``keep``: the last receive of each stream (``Recv.stream`` / ``Send.stream``);
+            a receive starts after the previous one of its stream, so one thread per stream waits
+            (each waiting receive polls MPI and takes the GIL: measured, 8-16 of them at once cost
+            more than the overlap gained).
 
     Returns:
         (chain out, received tensors, passthrough tensors).
@@ -162,8 +178,12 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
         sent = args[1:1 + n_send]
         tokens = [send_op(transport, t, d.dest, d.tag, d.what, d.shape_tag, keep)
                   for t, ds in zip(sent, dests) for d in ds]
-        received = [recv_op(transport, r.shape, r.dtype, r.src, r.tag, r.what, [chain_in, *tokens],
-                            shape_tag=r.shape_tag, keep=keep) for r in recvs]
+        received = []
+        for r in recvs:
+            got = recv_op(transport, r.shape, r.dtype, r.src, r.tag, r.what, [chain_in, *tokens],
+                          shape_tag=r.shape_tag, keep=keep, after=_after(streams, ("f", r.stream)))
+            _follow(streams, ("f", r.stream), got)
+            received.append(got)
         with tf.control_dependencies([*tokens, *received]):
             chain_out = tf.identity(chain_in)
         passed = [tf.identity(t) for t in args[1 + n_send:1 + n_send + n_pass]]
@@ -183,9 +203,15 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
                     continue
                 # With overlap, chain_in keeps the op off Grappler's constants (d_chain may be a zero).
                 deps = [d_chain, *back] if keep is None else [d_chain, chain_in, *back]
-                parts = [recv_op(transport, tuple(t.shape.as_list()), t.dtype, d.dest, d.grad_tag,
-                                 f"gradient of {d.what}", deps, like=t, keep=keep)
-                         for d in ds if d.grad_tag is not None]
+                parts = []
+                for d in ds:
+                    if d.grad_tag is None:
+                        continue
+                    part = recv_op(transport, tuple(t.shape.as_list()), t.dtype, d.dest, d.grad_tag,
+                                   f"gradient of {d.what}", deps, like=t, keep=keep,
+                                   after=_after(streams, ("g", d.stream)))
+                    _follow(streams, ("g", d.stream), part)
+                    parts.append(part)
                 d_sent.append(tf.add_n(parts) if parts else tf.zeros_like(t))
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
                 d_chain_in = tf.zeros_like(chain_in)

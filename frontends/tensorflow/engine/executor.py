@@ -123,14 +123,14 @@ class PartitionedCall:
     def _send(self, key: tuple[str, int, int], ctx: tuple[int, int, int], dest: int, grad: bool, static: bool,
               what: str) -> Send:
         return Send(dest, self._tag(key, ctx, Tags.FORWARD), self._tag(key, ctx, Tags.GRAD) if grad else None, what,
-                    None if static else self._tag(key, ctx, Tags.SHAPE))
+                    None if static else self._tag(key, ctx, Tags.SHAPE), stream=(key, ctx[2]))
 
     def _recv(self, key: tuple[str, int, int], ctx: tuple[int, int, int], t: tf.Tensor, src: int, grad: bool,
               what: str) -> Recv:
         static = t.shape.is_fully_defined()
         return Recv(tuple(t.shape.as_list()), t.dtype, src, self._tag(key, ctx, Tags.FORWARD),
                     self._tag(key, ctx, Tags.GRAD) if grad else None, what,
-                    None if static else self._tag(key, ctx, Tags.SHAPE))
+                    None if static else self._tag(key, ctx, Tags.SHAPE), stream=(key, ctx[2]))
 
     def __call__(self, inputs: Sequence[tf.Tensor], *, step_trace: int, microbatch: int, call: int,
                  num_microbatches: int) -> list[tf.Tensor]:
@@ -143,6 +143,7 @@ class PartitionedCall:
         if plan.pp_size > 1:
             gate = gate_for(step_trace, self._num_microbatches, me, self._chain, self._local_stages, self.log)
         keep = gate.keep if gate is not None else None
+        streams = gate.streams if gate is not None else None
         chain: tf.Tensor | None = _first_chain(list(values.values())) if gate is not None else None
         anchors_left = True
 
@@ -152,15 +153,20 @@ class PartitionedCall:
             anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
             anchors_left = False
             chain, got, passed = exchange(self.link.transport, chain if chain is not None else tf.zeros(()),
-                                          sends, recvs, passthrough, anchors, keep=keep)
+                                          sends, recvs, passthrough, anchors, keep=keep, streams=streams)
             return got, passed
 
         for stage in plan.stages:
             if stage.partition == me:
                 token = self.log.mark(microbatch, "F", stage.index, gate, chain)
                 fn = plan.function(stage)
-                with tf.control_dependencies([token] if gate is not None else []):
-                    result = fn(*[values[t.name] for t in stage.feeds])
+                feeds = [values[t.name] for t in stage.feeds]
+                if gate is not None:
+                    # The feeds pass an identity after the marker: Grappler inlines the stage call, and
+                    # a control edge on the call op alone would not hold its body back.
+                    with tf.control_dependencies([token]):
+                        feeds = [tf.identity(f) for f in feeds]
+                result = fn(*feeds)
                 result = list(result)[: len(stage.fetches)] if isinstance(result, (list, tuple)) else [result]
                 if gate is not None:
                     gate.end_forward(token, [r for r in result if isinstance(r, tf.Tensor)])

@@ -31,6 +31,27 @@ receive only waits for data. Two things could still stall, and both are guarded:
   ungated (dataflow order, recorded all the same) if they differ. Every baton wait has the
   config's ``comm_timeout``.
 
+Two details the measurements forced: receives of one stream (a message over the microbatches)
+start one after another (`exchange.exchange` ``streams``), since every waiting receive polls MPI
+and takes the GIL, and 8-16 pollers at once ate the gain; and the feeds of a gated stage pass an
+identity after its marker, since Grappler inlines the stage call and a control edge on the call
+op alone does not hold its body back.
+
+What is and is not ordered: the *start* of each action (its marker, then its feeds) follows the
+plan exactly; its *end* marker waits for the stage call op (forward) or the ops consuming its
+output gradients (backward), which after inlining can report done before all of the body's work
+has finished (recorded durations are 0.1-2 ms where the compute takes several ms). So the baton
+orders the actions' starts, not strictly their whole compute.
+
+Measured (2 ranks of one mpiexec on the shared 2-core dev box, load average 5-7, C's
+``benchmarks/tf_pipeline.py`` model: 8 x Dense(768, tanh) + head, 8 microbatches of 16 rows,
+inter-op pool 96, lockstep and overlap steps interleaved in one launch, median of 6 steps of
+the slower rank): interleaved 196.5 vs 242.0 ms lockstep (one process 185/110 ms before/after,
+compute-only bound 138 ms) with the receive streams but before the feed identities; then
+159.7 ms overlap vs 169.7 ms lockstep, one process 193/197 ms, compute-only bound 73 ms. Before
+the receive streams: 229 vs 233 ms. On this box the numbers move by 2x with the load; run the
+benchmark on a quiet machine before changing the default.
+
 Independent ops run before the function returns but in no fixed place, so one stateful barrier
 at the step's end waits for every op the gate or the exchange made (a ``finish_step`` callback
 that runs before the model's flush of pending sends, which program order puts after it).
@@ -120,6 +141,7 @@ class StepGate:
         self.local_stages = local_stages
         self.log = log
         self.keep: list[Any] = []
+        self.streams: dict[Any, tf.Tensor] = {}  # the last receive of each stream (`exchange.exchange`)
         self.actions: list[_Action] = []
         self.plan: list[tuple[str, int]] | None = None
         self.held_at_start: set[tuple[int, str, int]] = set()
