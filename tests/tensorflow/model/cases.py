@@ -36,6 +36,8 @@ def _data(name: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     if name == "tied_lm":
         return (rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
                 rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+    if name == "cnn":  # MNIST-shaped, smaller: (batch, 12, 12, 1) images, 4 classes
+        return rng.standard_normal((BATCH, 12, 12, 1)).astype(np.float32), rng.integers(0, 4, (BATCH,)).astype(np.int32)
     return rng.standard_normal((BATCH, 6)).astype(np.float32), rng.integers(0, 4, (BATCH,)).astype(np.int32)
 
 

@@ -115,4 +115,25 @@ def bn_dropout(base: type, pp: int) -> type:
     return BNDrop
 
 
-MODELS = {"mlp": mlp, "tied_lm": tied_lm, "bn_dropout": bn_dropout}
+def cnn(base: type, pp: int) -> type:
+    """An MNIST-shaped CNN (smaller images): Conv2D -> MaxPooling2D on partition 0, Conv2D -> Flatten -> Dense on the last."""
+
+    class CNN(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = keras.layers.Conv2D(4, 3, activation="relu")
+            self.pool = keras.layers.MaxPooling2D(2)
+            self.conv2 = keras.layers.Conv2D(8, 3, activation="relu")
+            self.flat = keras.layers.Flatten()
+            self.head = keras.layers.Dense(4)
+
+        def call(self, x: Any) -> Any:
+            with smp.partition(0):
+                h = self.pool(self.conv1(x))
+            with smp.partition(pp - 1):
+                return self.head(self.flat(self.conv2(h)))
+
+    return CNN
+
+
+MODELS = {"mlp": mlp, "tied_lm": tied_lm, "bn_dropout": bn_dropout, "cnn": cnn}

@@ -72,8 +72,9 @@ def pp2_sessions() -> list[dict[str, Any]]:
     """Manual placement, then (after smp.reset) auto_partition: one 2-rank job."""
     return run_mpi_ranks(cases.launch_sessions, 2, args=({
         "manual": ([("mlp", "tape"), ("tied_lm", "get_gradients"), ("bn_dropout", "tape"),
-                    ("tied_lm", "tape+none_batch")], _config(2)),
-        "auto": ([("tied_lm", "tape")], _config(2, auto=True))},), timeout=400)
+                    ("tied_lm", "tape+none_batch"), ("cnn", "tape")], _config(2)),
+        "auto": ([("tied_lm", "tape"), ("mlp", "get_gradients"), ("cnn", "tape")], _config(2, auto=True))},),
+        timeout=500)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,8 @@ def pp1() -> list[dict[str, Any]]:
     return run_mpi_ranks(cases.single, 1, timeout=240)
 
 
-@pytest.mark.parametrize("key", ["mlp/tape", "tied_lm/get_gradients", "bn_dropout/tape", "tied_lm/tape+none_batch"])
+@pytest.mark.parametrize("key", ["mlp/tape", "tied_lm/get_gradients", "bn_dropout/tape", "tied_lm/tape+none_batch",
+                                 "cnn/tape"])
 def test_pp2_matches_one_process(pp2: list[dict[str, Any]], key: str) -> None:
     _check_case(pp2, key, 2)
 
@@ -126,10 +128,11 @@ def test_pp3_matches_one_process(pp3: list[dict[str, Any]]) -> None:
     assert [line.split(",")[0].split(": ")[1] for line in stages][-1] == "partition 0", "\n".join(stages)
 
 
-def test_pp2_auto_partition_matches_one_process(pp2_auto: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("key", ["tied_lm/tape", "mlp/get_gradients", "cnn/tape"])
+def test_pp2_auto_partition_matches_one_process(pp2_auto: list[dict[str, Any]], key: str) -> None:
     """auto_partition (the default): pp rank 0's decision, broadcast, applied like a manual one; scopes ignored."""
-    _check_case(pp2_auto, "tied_lm/tape", 2)
-    assert "smp_partition_" not in pp2_auto[0]["tied_lm/tape"]["stages"]
+    _check_case(pp2_auto, key, 2)
+    assert "smp_partition_" not in pp2_auto[0][key]["stages"]
 
 
 @pytest.mark.parametrize("key", ["mlp/tape", "bn_dropout/get_gradients", "mlp/tape/no_outer"])
