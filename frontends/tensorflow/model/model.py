@@ -133,6 +133,17 @@ class DistributedModel(keras.Model):
         """The last steps' actions on this rank, each ``[(microbatch, "F" | "B", stage), ...]`` in run order."""
         return list(self._smp.log.steps)
 
+    def step_timeline(self, title: str = "measured step") -> Any:
+        """The last step as measured on every rank of this pipeline (a collective over the PP group).
+
+        An `smp.pipeline.Timeline` that the torch frontend's renderers draw (``to_svg``, ASCII,
+        Chrome trace); see `engine.timeline.step_timeline`.
+        """
+        from ..engine.timeline import step_timeline
+
+        cfg = smp_state.current().cfg
+        return step_timeline(self._smp.log, self._smp.pp_rank, cfg.pipeline_parallel_degree if cfg else 1, title)
+
     def stage_plan(self) -> StagePlan:
         """The stages of the first partitioned input signature (for tests and reports)."""
         if not self._smp.programs:

@@ -185,6 +185,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         from ..optimizers import install_for_session
 
         install_for_session()
+    _size_inter_op_pool(cfg)
     if launch.rank == 0:
         for note in cfg.notes:
             logger.info(note)
@@ -241,6 +242,26 @@ def _describe(rank_map: RankMap, rank: int) -> str:
 def _neighbours(rank_map: RankMap, rank: int) -> set[int]:
     """The ranks this one talks to: the members of its own groups (the ones its heartbeat watches)."""
     return {r for kind in _KINDS for r in rank_map.group(kind, rank)} - {rank}
+
+
+def _size_inter_op_pool(cfg: Config) -> None:
+    """With ``SMP_TF_OVERLAP=1``, make TF's inter-op pool large enough for overlap (engine/schedule.py).
+
+    Blocked receives hold inter-op threads, so the experimental overlap path needs a pool of about
+    ``5 * microbatches * stages + 8``; the size can be set only before TensorFlow's first op. If TF
+    has started already, the engine falls back to lockstep with a warning naming the fix.
+    """
+    if os.environ.get("SMP_TF_OVERLAP", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    import tensorflow as tf
+
+    want = 10 * int(cfg.microbatches) + 8
+    try:
+        if tf.config.threading.get_inter_op_parallelism_threads() < want:
+            tf.config.threading.set_inter_op_parallelism_threads(want)
+    except RuntimeError as e:  # the context exists: too late
+        logger.warning("SMP_TF_OVERLAP: cannot size TensorFlow's inter-op pool (%s); call "
+                       "tf.config.threading.set_inter_op_parallelism_threads(%d) before the first TF op", e, want)
 
 
 def runtime() -> TFRuntime:

@@ -38,7 +38,6 @@ def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, A
 
     tf.config.threading.set_inter_op_parallelism_threads(THREADS)
     import smp.tensorflow as smp
-    from smp.tensorflow.engine.timeline import step_timeline
     from smp.tensorflow.state import tf_state
 
     import smp.state as smp_state
@@ -56,7 +55,7 @@ def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, A
         chain = [int(line.split("partition ")[1].split(",")[0]) for line in result["stages"].splitlines()]
         plan = rank_plan(cfg.pipeline_section(), chain, True, smp.pp_rank(), light=set(),
                          forward_active=int(cfg.active_microbatches))
-        timeline = step_timeline(model._smp.log, smp.pp_rank(), smp.pp_size())  # noqa: SLF001 - see the report
+        timeline = model.step_timeline()
         result.update(plan=plan.baton, chain=chain, events=len(timeline.events), ranks=timeline.num_ranks,
                       svg=render_svg(timeline)[:5], ascii=render_ascii(timeline),
                       all_steps=[list(a) for a in model.step_actions])
