@@ -9,6 +9,9 @@ the same data everywhere. Rows:
 - ``smp pp2 (manual)``: a `DistributedModel` with ``smp.partition(0)`` around blocks 0-3 and
   ``smp.partition(1)`` around blocks 4-7 and the head, in the SMP v1 script shape (``@smp.step``
   returning tape gradients, ``@tf.function`` applying ``g.accumulate()``);
+- ``smp pp2 (manual, plan-ordered overlap)``: the same with ``SMP_TF_OVERLAP=1`` (experimental: the
+  transfers leave the step's program order and each stage's work takes the shared scheduler's baton,
+  ``interleaved``, so the ranks overlap microbatches; engine/schedule.py);
 - ``smp pp2 (auto)``: the same model without scopes, ``auto_partition`` with optimize "speed";
 - ``compute only``: in the manual launch, after the smp steps, each rank runs only its own half
   of the same layers (rank 0: blocks 0-3 forward and backward against a ones gradient; rank 1:
@@ -195,11 +198,13 @@ def main() -> None:
     before = one_process()
     rows: list[tuple[str, float, str]] = [("one process (plain Keras), before", before, "-")]
     bound = None
-    for cut in ("manual", "auto"):
-        out = run_mpi_ranks(ours, 2, args=(cut, args.steps, args.warmup), timeout=600)
+    for cut, overlap in (("manual", False), ("manual", True), ("auto", False)):
+        env = {"SMP_TF_OVERLAP": "1"} if overlap else None
+        out = run_mpi_ranks(ours, 2, args=(cut, args.steps, args.warmup), timeout=600, env=env)
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
-        rows.append((f"smp pp2 ({cut})", t, ", ".join(out[0]["rank1"])))
-        if cut == "manual":
+        label = f"smp pp2 ({cut}, plan-ordered overlap: SMP_TF_OVERLAP=1)" if overlap else f"smp pp2 ({cut}, lockstep)"
+        rows.append((label, t, ", ".join(out[0]["rank1"])))
+        if cut == "manual" and not overlap:
             bound = statistics.median(max(ts) for ts in zip(*(o["half"] for o in out)))
             rows.append(("compute only (each rank its half, no communication)", bound,
                          f"blocks {CUT}-{BLOCKS - 1} + head"))
