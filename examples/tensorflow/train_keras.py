@@ -1,6 +1,6 @@
 """The TensorFlow demo: a small char-level Keras transformer trained pipelined over 2 CPU ranks by smp.
 
-    mpiexec -n 2 .venv/bin/python examples/tensorflow/train_keras.py --steps 40 --out demo-output/tf
+    mpiexec -n 2 .venv/bin/python examples/tensorflow/train_keras.py --steps 30 --out demo-output/tf
     bash scripts/demo.sh --tensorflow            # the same, from the README
 
 The model is written the way Keras users write one: a ``keras.Model`` subclass (here
@@ -12,7 +12,10 @@ between blocks; smp logs the partition report on rank 0). The step has the SMP v
 ``g.accumulate()`` and returning ``loss.reduce_mean()``. Rank 0 shows a progress bar, then writes
 into ``--out``: ``loss.svg``, ``losses.json``, and the measured timeline of the last step
 (``timeline.svg``, ``timeline.trace.json`` for Perfetto; one lane per rank, "F"/"B" per
-microbatch and stage).
+microbatch and stage; in the default lockstep engine a marker records only its start, so an
+action is drawn up to the next one's start: rank 0's forward bar includes its wait for rank 1).
+The first step traces, partitions and builds the stages (about 30 s on a loaded 2-core box; the
+script prints it), later steps take a few hundred ms.
 
 ``--reference`` trains the same model (a plain ``keras.Model``), data and seed in one process
 without smp and writes ``losses.json``: the test compares the two.
@@ -138,7 +141,7 @@ def sparkline(values: list[float], width: int = 60) -> str:
 # -- training --------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a small char-level Keras transformer pipelined with smp.")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
@@ -186,7 +189,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     import smp.tensorflow as smp  # was: import smdistributed.modelparallel.tensorflow as smp
-
     from mpi4py import MPI
 
     smp.init({"partitions": MPI.COMM_WORLD.Get_size(),  # every rank a pipeline stage
