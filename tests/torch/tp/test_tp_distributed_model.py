@@ -8,7 +8,8 @@ placement strategy,
 a loss computed in the step from the model's logits, and (slow) tp=2 x pp=2 x rdp=2 on 8 ranks in
 both batch modes. Every rank's own loss is compared with the one-process loss on the rows it covers
 (errors on single ranks cannot cancel in a mean), and every rank's gathered parameters with the
-one-process model's after training (every replica, not only the first).
+one-process model's after training (every replica, not only the first). The cases of one world
+size run in one launch, ``smp.reset()`` between; a failure names its case.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.spawn import run_ranks
+from tests.torch.launch_cases import Case, naming, run_cases
 from tests.torch.tp.test_tp_hf import _model
 
 STEPS = 3
@@ -119,68 +120,8 @@ def reference() -> Reference:
     return _reference()
 
 
-@pytest.mark.parametrize("prescaled", [True, False], ids=["prescaled", "per-rank-batches"])
-@pytest.mark.parametrize("pp,rdp", [(1, 1), (2, 1), (1, 2)], ids=["tp2", "tp2-pp2", "tp2-rdp2"])
-def test_tp_in_distributed_model_matches_one_process(reference: Reference, pp: int, rdp: int,
-                                                     prescaled: bool) -> None:
-    _check(run_ranks(_train, 2 * pp * rdp, args=(pp, rdp, prescaled), timeout=300), reference)
-
-
-@pytest.mark.parametrize("kind", ["mistral", "gpt_neox", "mixtral"])
-def test_tp_pp_trains_every_model_family_like_one_process(kind: str) -> None:
-    """tp=2 x pp=2, per-rank batches, for the other three families (Llama runs above)."""
-    _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", False, False, 2, kind), timeout=300), _reference(kind))
-
-
-def test_per_rank_batches_with_loss_from_logits_in_the_step(reference: Reference) -> None:
-    """Each TP rank gets its own samples' full-vocabulary logits back (they are vocabulary-sharded
-    inside the model) and computes its loss in the step, as an SMP v1 script does."""
-    results = run_ranks(_train, 2, args=(1, 1, False, "cluster", False, True), timeout=300)
-    _check(results, reference)
-    assert results[0]["losses"] != results[1]["losses"], "each rank's loss is over its own samples"
-
-
-def test_automatic_partition_under_tp(reference: Reference) -> None:
-    _check(run_ranks(_train, 4, args=(2, 1, False, "cluster", True), timeout=300), reference)
-
-
-def _train_each(rdp: int, cases: list[tuple[str, bool]]) -> list[dict[str, Any]]:
-    """`_train` at tp=2 x pp=2 x ``rdp`` once per (placement, prescaled), ``smp.reset()`` between:
-    one launch instead of one per case (on 2 cores, starting the ranks costs more than training
-    the tiny model)."""
-    import smp.torch as smp
-
-    results = []
-    for placement, prescaled in cases:
-        results.append(_train(2, rdp, prescaled, placement))
-        smp.reset()
-    return results
-
-
-def _check_each(world: int, rdp: int, cases: list[tuple[str, bool]], ref: Reference) -> None:
-    per_rank = run_ranks(_train_each, world, args=(rdp, cases), timeout=900)
-    assert all(len(results) == len(cases) for results in per_rank)
-    for i, (placement, prescaled) in enumerate(cases):
-        try:
-            _check([results[i] for results in per_rank], ref)
-        except AssertionError as e:
-            batches = "prescaled" if prescaled else "per-rank batches"
-            raise AssertionError(f"placement {placement!r}, {batches}: {e}") from e
-
-
-def test_every_placement_strategy_tp_pp(reference: Reference) -> None:
-    """tp=2 x pp=2, per-rank batches, under every placement (one launch, reset between)."""
-    _check_each(4, 1, [(placement, False) for placement in PLACEMENTS], reference)
-
-
-EIGHT_RANKS = [(placement, False) for placement in PLACEMENTS] + [("cluster", True), ("spread", True)]
-
-
-@pytest.mark.slow
-def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: Reference) -> None:
-    """tp=2 x pp=2 x rdp=2 with 2 microbatches: per-rank batches of 2 sequences under every
-    placement, and prescaled batches (4 sequences per replica, pp > 1 and rdp > 1 together)."""
-    _check_each(8, 2, EIGHT_RANKS, reference)
+def _tp2(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", **kwargs: Any) -> dict[str, Any]:
+    return {"pp": pp, "rdp": rdp, "prescaled": prescaled, "placement": placement, **kwargs}
 
 
 def _unequal() -> str:
@@ -200,6 +141,62 @@ def _unequal() -> str:
     return "no error"
 
 
-def test_per_rank_batches_of_different_sizes_are_refused_clearly() -> None:
-    for msg in run_ranks(_unequal, 2, timeout=120):
-        assert "different batches" in msg and "tp_rank 0: batch 2" in msg and "tp_rank 1: batch 4" in msg
+TWO_RANKS: list[Case] = [
+    ("tp2-prescaled", _train, _tp2(1, 1, True)),
+    ("tp2-per-rank-batches", _train, _tp2(1, 1, False)),
+    # Each TP rank gets its own samples' full-vocabulary logits back (they are vocabulary-sharded
+    # inside the model) and computes its loss in the step, as an SMP v1 script does.
+    ("tp2-loss-from-logits", _train, _tp2(1, 1, False, loss_outside=True)),
+    ("tp2-unequal-batches", _unequal, {}),
+]
+
+
+def test_tp2_on_two_ranks_matches_one_process(reference: Reference) -> None:
+    """tp=2 alone in both batch modes and with the loss computed in the step; per-rank batches of
+    different sizes are refused clearly (one launch, reset between)."""
+    got = run_cases(2, TWO_RANKS, timeout=600)
+    for name in ("tp2-prescaled", "tp2-per-rank-batches", "tp2-loss-from-logits"):
+        with naming(name):
+            _check(got[name], reference)
+    logits = got["tp2-loss-from-logits"]
+    assert logits[0]["losses"] != logits[1]["losses"], "each rank's loss is over its own samples"
+    for msg in got["tp2-unequal-batches"]:
+        assert "different batches" in msg and "tp_rank 0: batch 2" in msg and "tp_rank 1: batch 4" in msg, msg
+
+
+FAMILIES = ["mistral", "gpt_neox", "mixtral"]  # Llama runs in every other case
+# tp=2 x pp=2 with per-rank batches under "cluster" is the first placement case.
+FOUR_RANKS: list[Case] = [
+    ("tp2-pp2-prescaled", _train, _tp2(2, 1, True)),
+    ("tp2-rdp2-prescaled", _train, _tp2(1, 2, True)),
+    ("tp2-rdp2-per-rank-batches", _train, _tp2(1, 2, False)),
+    ("tp2-pp2-auto-partition", _train, _tp2(2, 1, False, auto=True)),
+    *[(f"tp2-pp2-{kind}", _train, _tp2(2, 1, False, kind=kind)) for kind in FAMILIES],
+    *[(f"tp2-pp2-placement-{placement}", _train, _tp2(2, 1, False, placement)) for placement in PLACEMENTS],
+]
+
+
+def test_tp2_on_four_ranks_matches_one_process(reference: Reference) -> None:
+    """tp=2 x pp=2 (prescaled, automatic partition, every model family, every placement with
+    per-rank batches) and tp=2 x rdp=2 in both batch modes (one launch, reset between)."""
+    got = run_cases(4, FOUR_RANKS, timeout=1500)
+    for name, _, kwargs in FOUR_RANKS:
+        kind = kwargs.get("kind", "llama")
+        with naming(name):
+            _check(got[name], reference if kind == "llama" else _reference(kind))
+
+
+EIGHT_RANKS: list[Case] = [
+    *[(f"placement {placement!r}, per-rank batches", _train, _tp2(2, 2, False, placement)) for placement in PLACEMENTS],
+    *[(f"placement {placement!r}, prescaled", _train, _tp2(2, 2, True, placement)) for placement in ("cluster", "spread")],
+]
+
+
+@pytest.mark.slow
+def test_every_placement_strategy_tp_pp_dp_on_8_ranks(reference: Reference) -> None:
+    """tp=2 x pp=2 x rdp=2 with 2 microbatches: per-rank batches of 2 sequences under every
+    placement, and prescaled batches (4 sequences per replica, pp > 1 and rdp > 1 together)."""
+    got = run_cases(8, EIGHT_RANKS, timeout=900)
+    for name, _, _ in EIGHT_RANKS:
+        with naming(name):
+            _check(got[name], reference)
