@@ -43,16 +43,17 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Keeps ``smp.tensorflow.step`` the decorator once the submodule of the same name is imported.
+    """Keeps ``smp.tensorflow.step`` (the decorator) and ``smp.tensorflow.state`` (smp's state) once
+    the submodules of the same names are imported.
 
     Importing a submodule sets it as an attribute of its package; the first import of
-    ``smp.tensorflow.step`` (by ``DistributedModel``'s Keras loop, say) would otherwise replace the
-    lazily loaded function with the module. The module stays importable by its full name
-    (``from smp.tensorflow.step import StepOutput``).
+    ``smp.tensorflow.step`` or of ``smp.tensorflow.state`` (the frontend's `TFState` module, by the
+    model) would otherwise replace the public object with the module. The modules stay importable
+    by their full names (``from smp.tensorflow.step import StepOutput``).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
+        if (name in _LAZY or name == "state") and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 
