@@ -1,4 +1,8 @@
-"""`smp.torch.transform` of Hugging Face models at tp=2 against the unsharded model in one process."""
+"""`smp.torch.transform` of Hugging Face models at tp=2 and tp=4 against the unsharded model in one process.
+
+The multi-rank cases of one world size run in one launch, ``smp.reset()`` between; a failure names
+its case.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.spawn import run_ranks
+from tests.torch.launch_cases import Case, run_cases
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,24 +100,6 @@ def _tp2(kind: str, from_rank0: bool, tied: bool, parallel_loss: bool = True) ->
     return "ok"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_transform_tp2_matches_the_unsharded_model(kind: str) -> None:
-    assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
-
-
-@pytest.mark.parametrize("kind", sorted(RELATED) + V1_ONLY)
-def test_transform_tp2_of_related_models_read_from_their_plan(kind: str) -> None:
-    assert run_ranks(_tp2, 2, args=(kind, False, False), timeout=180) == ["ok", "ok"]
-
-
-def test_transform_loads_rank0_weights_and_keeps_tied_embeddings() -> None:
-    assert run_ranks(_tp2, 2, args=("llama", True, True), timeout=180) == ["ok", "ok"]
-
-
-def test_transform_with_gathered_logits_and_hugging_face_loss() -> None:
-    assert run_ranks(_tp2, 2, args=("mistral", False, False, False), timeout=180) == ["ok", "ok"]
-
-
 def _bad_sizes() -> str:
     import smp.torch as smp
     from smp.torch.nn import TPShardingError
@@ -125,10 +111,6 @@ def _bad_sizes() -> str:
     assert "num_key_value_heads=1" in text and "vocab_size=63" in text and "tensor_parallel_degree=2" in text
     assert "num_attention_heads" not in text
     return "ok"
-
-
-def test_transform_lists_every_size_that_does_not_split() -> None:
-    assert run_ranks(_bad_sizes, 2) == ["ok", "ok"]
 
 
 def test_transform_rejects_an_unsupported_model_type() -> None:
@@ -206,9 +188,11 @@ def _tp4(kind: str) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_transform_tp4_on_4_ranks(kind: str) -> None:
-    assert run_ranks(_tp4, 4, args=(kind,), timeout=240) == ["ok"] * 4
+def test_transform_tp4_on_4_ranks() -> None:
+    """Every family at tp=4 (one launch, reset between)."""
+    cases: list[Case] = [(f"tp4-{kind}", _tp4, {"kind": kind}) for kind in KINDS]
+    for name, per_rank in run_cases(4, cases, timeout=900).items():
+        assert per_rank == ["ok"] * 4, (name, per_rank)
 
 
 def _fresh() -> str:
@@ -233,10 +217,6 @@ def _fresh() -> str:
     return "ok"
 
 
-def test_transform_with_fresh_weights_is_the_same_model_on_every_tp_rank() -> None:
-    assert run_ranks(_fresh, 2) == ["ok", "ok"]
-
-
 def _sliced_logits() -> str:
     import smp.torch as smp
     from smp.torch.nn import gather_from_tp
@@ -253,5 +233,25 @@ def _sliced_logits() -> str:
     return "ok"
 
 
-def test_transform_can_keep_the_logits_vocabulary_sharded() -> None:
-    assert run_ranks(_sliced_logits, 2) == ["ok", "ok"]
+def _tp2_case(kind: str, from_rank0: bool = False, tied: bool = False, parallel_loss: bool = True) -> dict[str, Any]:
+    return {"kind": kind, "from_rank0": from_rank0, "tied": tied, "parallel_loss": parallel_loss}
+
+
+TWO_RANKS: list[Case] = [
+    *[(f"tp2-{kind}", _tp2, _tp2_case(kind)) for kind in KINDS],
+    # Related models, converted from their config's base_model_tp_plan, and GPT-2 (SMP v1's own).
+    *[(f"tp2-{kind}-read-from-its-plan", _tp2, _tp2_case(kind)) for kind in sorted(RELATED) + V1_ONLY],
+    ("tp2-loads-rank0-weights-and-keeps-tied-embeddings", _tp2, _tp2_case("llama", True, True)),
+    ("tp2-gathered-logits-and-hugging-face-loss", _tp2, _tp2_case("mistral", parallel_loss=False)),
+    ("lists-every-size-that-does-not-split", _bad_sizes, {}),
+    ("fresh-weights-are-the-same-model-on-every-tp-rank", _fresh, {}),
+    ("can-keep-the-logits-vocabulary-sharded", _sliced_logits, {}),
+]
+
+
+def test_transform_on_2_ranks() -> None:
+    """Every family and related model at tp=2 against the unsharded model, loading rank 0's weights
+    with tied embeddings, gathered logits with Hugging Face's loss, sizes that do not split, fresh
+    weights and vocabulary-sharded logits (one launch, reset between; a failure names its case)."""
+    for name, per_rank in run_cases(2, TWO_RANKS, timeout=1200).items():
+        assert per_rank == ["ok", "ok"], (name, per_rank)
