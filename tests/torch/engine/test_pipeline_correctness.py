@@ -21,6 +21,7 @@ import torch
 from smp.pipeline import SCHEDULES
 from tests.helpers.spawn import run_ranks
 from tests.torch import zoo
+from tests.torch.launch_cases import Case, naming, run_cases
 
 STEPS = 3
 VARIANTS = [(pipeline, auto) for pipeline in ("simple", "interleaved") for auto in (False, True)]
@@ -117,22 +118,30 @@ def _check_numbers(kind: str, results: list[list[dict[str, Any]]], ref_losses: l
 
 
 CASES = [(kind, pp, dp) for kind in zoo.MODELS for pp, dp in ((2, 1), (3, 1), (4, 1), (2, 2))] + [("mlp", 1, 2)]
+WORLDS = sorted({pp * dp for _, pp, dp in CASES})
 
 
-@pytest.mark.parametrize("kind,pp,dp", CASES, ids=[f"{k}-pp{p}-dp{d}" for k, p, d in CASES])
-def test_pipeline_matches_single_process(kind: str, pp: int, dp: int) -> None:
-    ref_losses, ref_state = zoo.reference(kind, STEPS)
-    microbatches = 4 if dp == 1 else 2
-    results = run_ranks(_train, pp * dp, args=(kind, pp, dp, microbatches), timeout=240)
-    _check_numbers(kind, results, ref_losses, ref_state)
-    # Manual placements use every rank. (Automatic ones are checked for numbers, and every parameter
-    # is owned somewhere since the gathered state dict is complete; on these tiny models the traced
-    # times are microseconds of Python overhead, so where the split falls varies from run to run;
-    # partition quality is tested exactly in tests/smp/partition.)
-    for variant, (_, auto) in enumerate(VARIANTS):
-        owners = [set(results[r][variant]["local"]) for r in range(pp)]
-        if not auto:
-            assert all(owners), (kind, VARIANTS[variant], [len(o) for o in owners])
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{w}-ranks" for w in WORLDS])
+def test_pipeline_matches_single_process(world: int) -> None:
+    """Every (model, pp, dp) of ``world`` ranks, in one launch (on 2 cores, starting the ranks costs
+    more than training the tiny models; `_train` resets after each variant)."""
+    cases: list[Case] = [(f"{kind}-pp{pp}-dp{dp}", _train,
+                          {"kind": kind, "pp": pp, "dp": dp, "microbatches": 4 if dp == 1 else 2})
+                         for kind, pp, dp in CASES if pp * dp == world]
+    got = run_cases(world, cases, timeout=240 * len(cases))
+    for name, _, kwargs in cases:
+        kind, pp, results = kwargs["kind"], kwargs["pp"], got[name]
+        ref_losses, ref_state = zoo.reference(kind, STEPS)
+        with naming(name):
+            _check_numbers(kind, results, ref_losses, ref_state)
+        # Manual placements use every rank. (Automatic ones are checked for numbers, and every
+        # parameter is owned somewhere since the gathered state dict is complete; on these tiny models
+        # the traced times are microseconds of Python overhead, so where the split falls varies from
+        # run to run; partition quality is tested exactly in tests/smp/partition.)
+        for variant, (_, auto) in enumerate(VARIANTS):
+            owners = [set(results[r][variant]["local"]) for r in range(pp)]
+            if not auto:
+                assert all(owners), (name, VARIANTS[variant], [len(o) for o in owners])
 
 
 # Every registered training schedule (the forward-only one serves evaluation steps), read from the
