@@ -25,6 +25,8 @@ import atexit
 import logging
 import os
 import sys
+import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +40,8 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
-from .mpi import wait_request
-from .store import FileStore, open_job_store
+from .mpi import all_true, bcast_object, wait_request
+from .store import JOB_DIR_ENV, FileStore
 from .transport import Transport
 
 __all__ = ["TFRuntime", "config", "init", "is_initialized", "reset", "runtime"]
@@ -242,6 +244,50 @@ def _describe(rank_map: RankMap, rank: int) -> str:
 def _neighbours(rank_map: RankMap, rank: int) -> set[int]:
     """The ranks this one talks to: the members of its own groups (the ones its heartbeat watches)."""
     return {r for kind in _KINDS for r in rank_map.group(kind, rank)} - {rank}
+
+
+def open_job_store(comm: Any, rank: int, timeout_s: float) -> FileStore:
+    """Make the job's store: rank 0 creates the directory, every rank checks that it sees it.
+
+    Args:
+        comm: the world communicator (``MPI.COMM_WORLD``); both collectives have ``timeout_s``.
+        rank: this rank.
+        timeout_s: the ``comm_timeout``.
+
+    Lives here, not in store.py: it needs the MPI collectives (`mpi`), whose waits report
+    through `failure`, which reads the store.
+
+    Raises:
+        LaunchError: on every rank, when rank 0 cannot make the directory or a rank cannot see it.
+    """
+    made: tuple[str, str, str] | None = None
+    if rank == 0:
+        parent = os.environ.get(JOB_DIR_ENV) or tempfile.gettempdir()
+        token = uuid.uuid4().hex
+        try:
+            path = tempfile.mkdtemp(prefix=f"smp-tf-{token[:8]}-", dir=parent)
+            with open(os.path.join(path, "job"), "w") as f:
+                f.write(token)
+            made = (path, token, "")
+        except OSError as e:
+            made = ("", "", f"rank 0 cannot create the job directory under {parent}: {e}")
+    made = bcast_object(comm, made, 0, "smp.init: the job store directory", timeout_s=timeout_s)
+    assert made is not None
+    path, token, problem = made
+    if problem:
+        raise LaunchError(f"{problem}; set {JOB_DIR_ENV} to a writable directory")
+    try:
+        with open(os.path.join(path, "job")) as f:
+            sees = f.read() == token
+    except OSError:
+        sees = False
+    if not all_true(comm, sees, "smp.init: the job store check", timeout_s=timeout_s):
+        raise LaunchError(
+            f"not every rank sees the job directory {path} that rank 0 made (smp.tensorflow keeps its failure "
+            f"record and heartbeats there; rank {rank} {'does' if sees else 'does not'}). Ranks on several hosts "
+            f"need it on a shared filesystem: set {JOB_DIR_ENV} to a directory every host mounts (NFS, Lustre, "
+            f"EFS), e.g. mpiexec -genv {JOB_DIR_ENV} /shared/tmp ...")
+    return FileStore(path, timeout_s=min(timeout_s, 30.0))
 
 
 def _size_inter_op_pool(cfg: Config) -> None:

@@ -10,12 +10,12 @@ small file write per heartbeat (0.5 s) and one ``stat`` per failure check (every
 
 Layout: one file per key (the key %-quoted: ``hb/3`` is ``hb%2F3``) in a directory made by rank 0
 under ``$SMP_JOB_DIR`` (default: the system temporary directory) and named to the others over MPI
-(`open_job_store`). A write goes to a temporary name and is renamed over the key, so a reader sees
+(``runtime.init.open_job_store``). A write goes to a temporary name and is renamed over the key, so a reader sees
 the old value or the new one, never half of one; ``compare_set`` holds an ``flock`` on the
 directory's lock file. No ``fsync``: the store outlives processes, not machine crashes.
 
 Multi-node: the directory must be on a filesystem every host mounts (NFS, Lustre, EFS): set
-``SMP_JOB_DIR`` there. `open_job_store` checks that every rank sees rank 0's directory and fails on
+``SMP_JOB_DIR`` there. ``runtime.init.open_job_store`` checks that every rank sees rank 0's directory and fails on
 every rank with that instruction when one does not.
 
 Clean-up: each rank, on leaving (``smp.reset()`` or the end of its script), marks itself exited;
@@ -28,14 +28,11 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import tempfile
 import threading
 import time
-import uuid
-from typing import Any
 from urllib.parse import quote
 
-__all__ = ["JOB_DIR_ENV", "FileStore", "open_job_store"]
+__all__ = ["JOB_DIR_ENV", "FileStore"]
 
 JOB_DIR_ENV = "SMP_JOB_DIR"
 _POLL_S = 0.01
@@ -115,48 +112,3 @@ class FileStore:
 
     def remove_directory(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def open_job_store(comm: Any, rank: int, timeout_s: float) -> FileStore:
-    """Make the job's store: rank 0 creates the directory, every rank checks that it sees it.
-
-    Args:
-        comm: the world communicator (``MPI.COMM_WORLD``); both collectives have ``timeout_s``.
-        rank: this rank.
-        timeout_s: the ``comm_timeout``.
-
-    Raises:
-        LaunchError: on every rank, when rank 0 cannot make the directory or a rank cannot see it.
-    """
-    from smp.errors import LaunchError
-
-    from .mpi import all_true, bcast_object
-
-    made: tuple[str, str, str] | None = None
-    if rank == 0:
-        parent = os.environ.get(JOB_DIR_ENV) or tempfile.gettempdir()
-        token = uuid.uuid4().hex
-        try:
-            path = tempfile.mkdtemp(prefix=f"smp-tf-{token[:8]}-", dir=parent)
-            with open(os.path.join(path, "job"), "w") as f:
-                f.write(token)
-            made = (path, token, "")
-        except OSError as e:
-            made = ("", "", f"rank 0 cannot create the job directory under {parent}: {e}")
-    made = bcast_object(comm, made, 0, "smp.init: the job store directory", timeout_s=timeout_s)
-    assert made is not None
-    path, token, problem = made
-    if problem:
-        raise LaunchError(f"{problem}; set {JOB_DIR_ENV} to a writable directory")
-    try:
-        with open(os.path.join(path, "job")) as f:
-            sees = f.read() == token
-    except OSError:
-        sees = False
-    if not all_true(comm, sees, "smp.init: the job store check", timeout_s=timeout_s):
-        raise LaunchError(
-            f"not every rank sees the job directory {path} that rank 0 made (smp.tensorflow keeps its failure "
-            f"record and heartbeats there; rank {rank} {'does' if sees else 'does not'}). Ranks on several hosts "
-            f"need it on a shared filesystem: set {JOB_DIR_ENV} to a directory every host mounts (NFS, Lustre, "
-            f"EFS), e.g. mpiexec -genv {JOB_DIR_ENV} /shared/tmp ...")
-    return FileStore(path, timeout_s=min(timeout_s, 30.0))
