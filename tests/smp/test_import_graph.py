@@ -1,4 +1,4 @@
-"""No import circles in `smp/` or `frontends/`, and the core never imports a frontend (issue 10).
+"""No import circles in `smp/` or `frontends/` (torch and tensorflow), and the core never imports a frontend (issue 10).
 
 The imports are read with `ast`, never executed, so the test needs no framework. Every import
 counts: module level, inside functions and under ``if TYPE_CHECKING:``, absolute and relative.
@@ -18,7 +18,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = {"smp": REPO / "smp", "smp.torch": REPO / "frontends" / "torch"}
+ROOTS = {"smp": REPO / "smp", "smp.torch": REPO / "frontends" / "torch",
+         "smp.tensorflow": REPO / "frontends" / "tensorflow"}
 FRONTENDS = ("smp.torch", "smp.tensorflow")
 
 
