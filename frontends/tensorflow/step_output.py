@@ -96,6 +96,21 @@ class StepOutput:
         n = len(self.outputs)
         return [_dense(x) / n for x in self.outputs]
 
+    def _unowned_zero(self) -> tf.Tensor | None:
+        """One zero when every output is the engine's zero gradient of a variable this rank does not own.
+
+        Then the mean, the sum and the accumulation are that zero: adding and scaling it once per
+        microbatch would cost a pass over the variable each time for nothing (measured on the
+        ``benchmarks/tf_pipeline.py`` model: a fifth of a rank's step).
+        """
+        from .engine.exchange import is_unowned_gradient
+
+        if not self.outputs or not all(is_unowned_gradient(x) for x in self.outputs):
+            return None
+        first = self.outputs[0]
+        scaled_dtype = (tf.zeros([], first.dtype) / len(self.outputs)).dtype
+        return tf.zeros_like(first, dtype=scaled_dtype)
+
     def reduce_mean(self) -> tf.Tensor:
         """``tf.add_n([x / num_microbatches for x in outputs])`` (SMP v1): the batch value of a
         mean-reduced per-microbatch loss, or the batch gradient of per-microbatch gradients.
@@ -105,7 +120,8 @@ class StepOutput:
             np.float32(1.5)
         """
         self._require_outputs("reduce_mean")
-        return tf.add_n(self._scaled())
+        zero = self._unowned_zero()
+        return zero if zero is not None else tf.add_n(self._scaled())
 
     def reduce_sum(self) -> tf.Tensor:
         """``tf.add_n(outputs)``.
@@ -115,6 +131,8 @@ class StepOutput:
             np.float32(3.0)
         """
         self._require_outputs("reduce_sum")
+        if self._unowned_zero() is not None:
+            return tf.zeros_like(self.outputs[0])
         return tf.add_n([_dense(x) for x in self.outputs])
 
     def concat(self) -> tf.Tensor:
@@ -168,14 +186,19 @@ class StepOutput:
             - ``"add_n"``: ``tf.add_n`` of the scaled outputs (exactly `reduce_mean`);
             - ``"accumulate_n"``: SMP v1's ``tf.math.accumulate_n``, which TF 2 deprecated into
               ``tf.add_n``: the same as ``"add_n"``;
-            - ``"variable"`` (default): each scaled output is added to an accumulator variable
-              as soon as it exists, so the per-microbatch values can be freed early. ``var`` is that
+            - ``"variable"`` (default): each output is added to an accumulator variable as soon
+              as it exists, so the per-microbatch values can be freed early, and the sum is scaled
+              once, with the last one (the value of `reduce_mean` exactly when the number of
+              microbatches is a power of two, within float rounding otherwise). ``var`` is that
               variable when given (its shape and dtype must match the outputs'); otherwise smp keeps
               one non-trainable variable per call site (created at the first trace of a
               ``tf.function``, reused when it retraces; eagerly a fresh one each call). The
               accumulator starts from the first microbatch's value on every call, so nothing carries
               over from an earlier step. An ``IndexedSlices`` output (an embedding's gradient) is
-              scatter-added, staying sparse.
+              scaled and scatter-added, staying sparse.
+
+        The gradient of a variable another pipeline rank owns is the engine's zero in every
+        microbatch; every method gives one zero for it, with no per-microbatch work.
 
         Args:
             method: one of ``"add_n"``, ``"accumulate_n"``, ``"variable"``.
@@ -200,7 +223,8 @@ class StepOutput:
             return self.reduce_mean()
         if method == "accumulate_n":
             # tf.math.accumulate_n is deprecated in TF 2.x and computes tf.add_n (it logs so).
-            return tf.add_n(self._scaled())
+            zero = self._unowned_zero()
+            return zero if zero is not None else tf.add_n(self._scaled())
         return self._accumulate_variable(var, sys._getframe(1))
 
     def _accumulate_variable(self, var: Any, caller: Any) -> tf.Tensor:
@@ -219,16 +243,30 @@ class StepOutput:
         else:
             self._check_var(var, scaled_dtype)
         token: Any = None
-        for m, x in enumerate(self.outputs):
+        zero = self._unowned_zero()
+        if zero is not None:
+            token = var.assign(zero)
+        sparse = any(isinstance(x, tf.IndexedSlices) for x in self.outputs)
+        for m, x in enumerate(self.outputs if zero is None else []):
             with tf.control_dependencies([token] if token is not None else []):
-                if isinstance(x, tf.IndexedSlices) and x.dense_shape is not None:
+                if sparse:
+                    if not isinstance(x, tf.IndexedSlices) or x.dense_shape is None:
+                        value = _dense(x) / n
+                        token = var.assign(value) if m == 0 else var.assign_add(value)
+                        continue
                     if m == 0:
                         token = var.assign(tf.zeros(x.dense_shape, scaled_dtype))
                     with tf.control_dependencies([token]):
                         token = var.scatter_add(tf.IndexedSlices(x.values / n, x.indices, x.dense_shape))
+                elif m == 0 and n > 1:
+                    token = var.assign(tf.cast(_dense(x), scaled_dtype))
+                elif m < n - 1:
+                    token = var.assign_add(tf.cast(_dense(x), scaled_dtype))
                 else:
-                    value = _dense(x) / n
-                    token = var.assign(value) if m == 0 else var.assign_add(value)
+                    # The sum is scaled once, by the last microbatch: one pass over the variable per step
+                    # instead of one per microbatch (exact for a power-of-two count, else within rounding).
+                    total = _dense(x) if m == 0 else var.read_value() + tf.cast(_dense(x), scaled_dtype)
+                    token = var.assign(total / n)
         with tf.control_dependencies([token]):
             out = tf.identity(var.read_value())
         if shape is not None and not tf.executing_eagerly():

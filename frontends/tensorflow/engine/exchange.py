@@ -30,7 +30,32 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Recv", "Send", "exchange", "independent", "recv_op", "send_op"]
+__all__ = ["Recv", "Send", "exchange", "independent", "is_unowned_gradient", "recv_op", "send_op"]
+
+UNOWNED_GRADIENT = "smp_unowned_gradient"
+
+
+def _unowned_gradient(like: tf.Tensor) -> tf.Tensor:
+    """The zero gradient of an anchor (a variable this rank does not own), named so `is_unowned_gradient` finds it."""
+    if like.shape.is_fully_defined():
+        return tf.zeros(like.shape, like.dtype, name=UNOWNED_GRADIENT)
+    return tf.zeros_like(like, name=UNOWNED_GRADIENT)
+
+
+def is_unowned_gradient(tensor: Any) -> bool:
+    """Whether ``tensor`` is (an identity of) the zero gradient of a variable this rank does not own.
+
+    A step's gradient of such a variable is that zero in every microbatch; `StepOutput` reduces
+    them to one zero instead of adding and scaling the zeros once per microbatch. False for an
+    eager tensor or anything else.
+    """
+    try:
+        op = tensor.op
+        while op.type == "Identity":
+            op = op.inputs[0].op
+    except (AttributeError, IndexError):
+        return False
+    return op.name.rsplit("/", 1)[-1].startswith(UNOWNED_GRADIENT)
 
 
 def independent(tensor: tf.Tensor, keep: list[Any]) -> tf.Tensor:
@@ -216,7 +241,7 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
                 d_chain_in = tf.zeros_like(chain_in)
             d_pass = list(ups[1 + n_recv:1 + n_recv + n_pass])
-            d_anchor = [tf.zeros_like(a) for a in args[1 + n_send + n_pass:]]
+            d_anchor = [_unowned_gradient(a) for a in args[1 + n_send + n_pass:]]
             return [d_chain_in, *d_sent, *d_pass, *d_anchor]
 
         return [chain_out, *received, *passed], grad

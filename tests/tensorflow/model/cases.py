@@ -81,6 +81,7 @@ def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
     import smp.tensorflow as smp
     import tensorflow as tf
     from smp.tensorflow import optimizers
+    from smp.tensorflow.engine.exchange import is_unowned_gradient
     from smp.tensorflow.step import step
 
     from .models import MODELS
@@ -102,6 +103,7 @@ def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
     opt = keras.optimizers.Adam(1e-2)
     loss_obj = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     none_grads: list[int] = []
+    unowned_grads: list[int] = []
 
     signature = None
     if spelling.endswith("+none_batch"):
@@ -119,6 +121,7 @@ def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
             loss = loss_obj(y, model(x, **kwargs))
             grads = opt.get_gradients(loss, model.trainable_variables)
         none_grads.append(sum(g is None for g in grads))
+        unowned_grads.append(sum(is_unowned_gradient(g) for g in grads))
         return grads, loss
 
     def train_step(x: Any, y: Any) -> Any:
@@ -140,7 +143,7 @@ def train(name: str, spelling: str, outer: bool = True) -> dict[str, Any]:
         if seed_var is not None:
             seeds.append(seed_var.state.numpy().tolist())
     out: dict[str, Any] = {
-        "losses": losses, "times_ms": times, "none_grads": none_grads, "grad_sums": grad_sums, "seeds": seeds,
+        "losses": losses, "times_ms": times, "none_grads": none_grads, "unowned_grads": unowned_grads, "grad_sums": grad_sums, "seeds": seeds,
         "owned": {i: v.numpy() for i, v in enumerate(model.variables) if model.is_local_variable(v)},
         "owner_of_trainable": [model.variable_owner(v) for v in model.trainable_variables],
         "pp_rank": smp.pp_rank(), "actions": model.step_actions[-1], "stages": model.stage_plan().describe(),
