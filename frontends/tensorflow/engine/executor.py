@@ -12,9 +12,10 @@ rank of the pipeline group (outputs are available on all ranks). Message tags co
 `Tags`: (step trace, microbatch, call within the microbatch, message, direction), folded into
 ``[0, max_tag)``.
 
-Lockstep by default; with ``SMP_TF_OVERLAP=1`` (and a large enough inter-op pool) the transfers
-are stateless and a `schedule.StepGate` runs this rank's stages' forward and backward in the
-shared scheduler's order (`engine.schedule`).
+With overlap (``SMP_TF_OVERLAP=1``, or unset with each rank bound to its own cores; and a large
+enough inter-op pool) the transfers leave the program order and a `schedule.StepGate` runs this
+rank's stages' forward and backward in the shared scheduler's order; otherwise lockstep
+(`engine.schedule`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ class PartitionedCall:
         self._num_microbatches = 1
         self._chain = [s.partition for s in plan.stages]
         self._local_stages = sum(s.partition == link.pp_rank for s in plan.stages)
+        # Receive streams of this rank (with overlap each holds at most one waiting pool thread):
+        # every message it receives, and the gradient of every differentiable message it sends.
+        me = link.pp_rank
+        self._receive_streams = sum(1 for _, _, q in self._messages if q == me) + sum(
+            len(b.dests) for s in plan.stages if s.partition == me for b in s.sends if b.differentiable)
 
     def _tag(self, key: tuple[str, int, int], ctx: tuple[int, int, int], kind: int) -> int:
         step_trace, mb, call = ctx
@@ -141,7 +147,8 @@ class PartitionedCall:
         values: dict[str, tf.Tensor] = {t.name: tf.convert_to_tensor(x) for t, x in zip(plan.traced.inputs, inputs)}
         gate = None
         if plan.pp_size > 1:
-            gate = gate_for(step_trace, self._num_microbatches, me, self._chain, self._local_stages, self.log)
+            gate = gate_for(step_trace, self._num_microbatches, me, self._chain, self._local_stages, self.log,
+                            self._receive_streams)
         keep = gate.keep if gate is not None else None
         streams = gate.streams if gate is not None else None
         chain: tf.Tensor | None = _first_chain(list(values.values())) if gate is not None else None

@@ -1,17 +1,25 @@
 """Plan-ordered overlap of microbatches: this rank's forward/backward actions run in the shared scheduler's order.
 
-Lockstep (the default): every exchange op is a stateful ``numpy_function``; a ``tf.function`` runs
-stateful ops in creation order, so each rank does F0 B0 F1 B1 ... and its peers idle.
+Two modes, agreed by every rank at ``smp.init`` (`runtime.init.overlap_requested`):
 
-Overlap (experimental, ``SMP_TF_OVERLAP=1``; tf_plan.md 2.5 option B): one graph, the order given
-by the plan. The exchange ops and the action markers are stateful ``numpy_function``s taken out of
-the program-order chain (`exchange.independent`), so only their data and control edges order them and TensorFlow's executor may run microbatch 1's forward while microbatch
-0's gradient is still on its way. What keeps that in the plan's order is a `StepGate` per traced
-step: a marker before each action (a stage's forward call, or the gradient into a stage's
-outputs) takes the core's `smp.pipeline.baton.Baton` in plan order (`smp.pipeline.choose.rank_plan`
-for the config's ``pipeline``, the chain being the partitions of the stages in run order), and a
-marker after it (on the stage call, or on the ops that consume the stage's output gradients)
-gives it back. So at most one action computes at a time on a rank, in the order of the plan:
+- Overlap: ``SMP_TF_OVERLAP=1``, or unset when each rank is bound to its own cores (``mpiexec
+  -bind-to core``; Open MPI binds 1-2 ranks per node by default). One graph, the order given by
+  the plan (tf_plan.md 2.5 option B).
+- Lockstep: ``SMP_TF_OVERLAP=0``, or unset when the ranks share every core. Every exchange op is
+  a stateful ``numpy_function``; a ``tf.function`` runs stateful ops in creation order, so each
+  rank does F0 B0 F1 B1 ... and its peers idle (each microbatch's backward compute still overlaps
+  the next microbatch's forward a little: TensorFlow runs stateless ops as their inputs arrive).
+
+With overlap, the exchange ops and the action markers are stateful ``numpy_function``s taken out
+of the program-order chain (`exchange.independent`), so only their data and control edges order
+them and TensorFlow's executor may run microbatch 1's forward while microbatch 0's gradient is
+still on its way. What keeps that in the plan's order is a `StepGate` per traced step: a marker
+before each action (a stage's forward call, or the gradient into a stage's outputs) takes the
+core's `smp.pipeline.baton.Baton` in plan order (`smp.pipeline.choose.rank_plan` for the config's
+``pipeline``, the chain being the partitions of the stages in run order), and a marker after it
+(with a data edge from every output of the stage call, or of the gradient calls that consume the
+stage's output gradients) gives it back. So one action computes at a time on a rank, in the
+order of the plan:
 
     pp=2, 4 microbatches, interleaved      rank 0:  F0 F1 F2 B0 F3 B1 B2 B3
                                            rank 1:  F0 B0 F1 B1 F2 B2 F3 B3
@@ -23,34 +31,27 @@ plan order (the scheduler checks that); the gate only adds that order, sends nev
 receive only waits for data. Two things could still stall, and both are guarded:
 
 - TensorFlow's inter-op pool: a receive or a marker waiting for the baton holds a pool thread.
-  Overlap is used only when ``tf.config.threading.get_inter_op_parallelism_threads()`` is at least
-  `min_inter_op_threads` (set it before TensorFlow's first op: ``smp.init`` is too late when the
-  script ran TF ops before); otherwise the step runs lockstep and says so once.
+  The markers of one stage and direction follow each other and the receives of one stream too,
+  so `min_inter_op_threads` (local stages and receive streams) bounds what waits at once; a step
+  whose need ``tf.config.threading.get_inter_op_parallelism_threads()`` does not meet runs
+  lockstep and says so once. ``smp.init`` sizes the pool (`runtime.init.INTER_OP_POOL`) when it
+  runs before TensorFlow's first op.
 - An action set that differs from the plan (a model called twice per microbatch, a step without
   backward for some microbatches): the trace is checked against the plan when it ends and runs
   ungated (dataflow order, recorded all the same) if they differ. Every baton wait has the
   config's ``comm_timeout``.
 
-Two details the measurements forced: receives of one stream (a message over the microbatches)
-start one after another (`exchange.exchange` ``streams``), since every waiting receive polls MPI
-and takes the GIL, and 8-16 pollers at once ate the gain; and the feeds of a gated stage pass an
-identity after its marker, since Grappler inlines the stage call and a control edge on the call
-op alone does not hold its body back.
+Details the measurements forced (``benchmarks/tf_pipeline.py``, ranks bound to a core each):
 
-What is and is not ordered: the *start* of each action (its marker, then its feeds) follows the
-plan exactly; its *end* marker waits for the stage call op (forward) or the ops consuming its
-output gradients (backward), which after inlining can report done before all of the body's work
-has finished (recorded durations are 0.1-2 ms where the compute takes several ms). So the baton
-orders the actions' starts, not strictly their whole compute.
-
-Measured (2 ranks of one mpiexec on the shared 2-core dev box, load average 5-7, C's
-``benchmarks/tf_pipeline.py`` model: 8 x Dense(768, tanh) + head, 8 microbatches of 16 rows,
-inter-op pool 96, lockstep and overlap steps interleaved in one launch, median of 6 steps of
-the slower rank): interleaved 196.5 vs 242.0 ms lockstep (one process 185/110 ms before/after,
-compute-only bound 138 ms) with the receive streams but before the feed identities; then
-159.7 ms overlap vs 169.7 ms lockstep, one process 193/197 ms, compute-only bound 73 ms. Before
-the receive streams: 229 vs 233 ms. On this box the numbers move by 2x with the load; run the
-benchmark on a quiet machine before changing the default.
+- receives of one stream (a message over the microbatches) start one after another
+  (`exchange.exchange` ``streams``): every waiting receive polls MPI and takes the GIL;
+- the feeds of a gated stage pass an identity after its marker, and the end marker reads a
+  one-element slice of every output: Grappler inlines the stage call, and a control edge on the
+  call op then waits for the body's side effects only. Without the data edges the baton went
+  back while the action still computed, every later action shared the core with it, and the
+  gradient the peer waited for left 30 ms late (the measured timeline showed it); with them the
+  recorded actions tile each rank's step;
+- a small pool: 88 threads on a rank bound to one core cost 10-30 % against 12-32.
 
 Independent ops run before the function returns but in no fixed place, so one stateful barrier
 at the step's end waits for every op the gate or the exchange made (a ``finish_step`` callback
@@ -61,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +75,7 @@ from smp.errors import ScheduleError
 from smp.pipeline.baton import Baton
 from smp.pipeline.choose import rank_plan
 
+from ..runtime.init import OVERLAP_ENV, overlap_requested, runtime
 from ..state import TFState, tf_state
 from .exchange import independent
 
@@ -82,26 +83,21 @@ __all__ = ["OVERLAP_ENV", "StepGate", "gate_for", "min_inter_op_threads", "overl
 
 logger = logging.getLogger("smp.tensorflow")
 
-OVERLAP_ENV = "SMP_TF_OVERLAP"
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 
 
-def overlap_requested() -> bool:
-    """Whether ``SMP_TF_OVERLAP`` asks for plan-ordered overlap (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get(OVERLAP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def min_inter_op_threads(num_microbatches: int, local_stages: int) -> int:
+def min_inter_op_threads(local_stages: int, receive_streams: int) -> int:
     """The inter-op pool overlap needs: one thread per op that may wait at once, and some for compute.
 
-    Per microbatch and local stage: a forward receive, a gradient receive, an output receive and
-    two baton markers may wait together in the worst case.
+    What may wait together: one start marker per local stage and direction (the markers of one
+    stage and direction follow each other, `StepGate.mark`), one receive per stream (a message over
+    the microbatches, `exchange.exchange`), and up to 4 ops computing or ending.
 
     Example:
-        >>> min_inter_op_threads(4, 1)
-        28
+        >>> min_inter_op_threads(local_stages=1, receive_streams=2)
+        8
     """
-    return 5 * num_microbatches * max(local_stages, 1) + 8
+    return 2 * max(local_stages, 1) + receive_streams + 4
 
 
 def _chain(partitions: Sequence[int]) -> list[int]:
@@ -134,7 +130,7 @@ class StepGate:
     """
 
     def __init__(self, pp_rank: int, num_microbatches: int, chain: Sequence[int], local_stages: int,
-                 log: Any) -> None:
+                 log: Any, receive_streams: int = 0) -> None:
         self.pp_rank = pp_rank
         self.num_microbatches = num_microbatches
         self.chain = _chain(chain)
@@ -145,40 +141,51 @@ class StepGate:
         self.actions: list[_Action] = []
         self.plan: list[tuple[str, int]] | None = None
         self.held_at_start: set[tuple[int, str, int]] = set()
+        self._last_mark: dict[tuple[str, int], tf.Tensor] = {}
         self._baton: Baton | None = None
         self._lock = threading.Lock()
         self._timeout_s = float(getattr(smp_state.current().cfg, "comm_timeout", 300.0) or 300.0)
         threads = tf.config.threading.get_inter_op_parallelism_threads()
-        need = min_inter_op_threads(num_microbatches, local_stages)
+        need = min_inter_op_threads(local_stages, receive_streams)
         self.overlap = threads >= need
         if not self.overlap:
-            _warn_once(f"smp.tensorflow: {OVERLAP_ENV} asks for overlapped microbatches, but TensorFlow's inter-op "
-                       f"pool has {threads or 'the default number of'} threads and {num_microbatches} microbatches "
-                       f"need at least {need}; this step runs lockstep. Fix: call "
+            _warn_once(f"smp.tensorflow: overlapped microbatches need TensorFlow's inter-op pool to have at least "
+                       f"{need} threads ({local_stages} local stage(s), {receive_streams} receive stream(s)), and it has "
+                       f"{threads or 'the default number of'}; this step runs lockstep. Fix: call "
                        f"tf.config.threading.set_inter_op_parallelism_threads({need}) before TensorFlow's first op")
 
     # -- trace time -----------------------------------------------------------------------------
     def mark(self, microbatch: int, kind: str, stage: int, probe: tf.Tensor) -> tf.Tensor:
         """A stateless marker that waits for the baton (``probe``: a tensor it waits for; never a constant)."""
 
-        def start(_: Any) -> np.int32:
+        def start(*_: Any) -> np.int32:
             self._start(microbatch, kind, stage)
             return np.int32(0)
 
-        token = independent(tf.numpy_function(start, [probe], tf.int32, stateful=True, name=f"smp_gate_{kind}"),
+        # After the previous marker of this stage and direction (every plan keeps their microbatch
+        # order): at most one marker per stage and direction waits for the baton, holding a pool thread.
+        previous = self._last_mark.get((kind, stage))
+        inputs = [probe] if previous is None else [probe, previous]
+        token = independent(tf.numpy_function(start, inputs, tf.int32, stateful=True, name=f"smp_gate_{kind}"),
                             self.keep)
+        self._last_mark[(kind, stage)] = token
         self.actions.append(_Action(microbatch, kind, stage, token))
         return token
 
     def end_after(self, action: _Action, ops: Sequence[tf.Operation]) -> None:
         """Give the baton back once ``ops`` have run."""
 
-        def end(_: Any) -> np.int32:
+        def end(*_: Any) -> np.int32:
             self._end(action.microbatch, action.kind, action.stage)
             return np.int32(0)
 
-        with tf.control_dependencies(list(ops)):
-            independent(tf.numpy_function(end, [action.token], tf.int32, stateful=True,
+        # A data edge from every output: Grappler inlines the stage (or gradient) call, and a control
+        # edge on the call op then waits only for the body's side effects, not for its compute; the
+        # baton went back while the action still ran, and the next ones shared the core with it
+        # (measured: a gradient the peer waits for left 30 ms late behind later microbatches' work).
+        probes = [_probe(t) for op in ops for t in op.outputs]
+        with tf.control_dependencies([op for op in ops if not op.outputs]):
+            independent(tf.numpy_function(end, [action.token, *probes], tf.int32, stateful=True,
                                           name=f"smp_gate_end_{action.kind}"), self.keep)
         action.released = True
 
@@ -254,6 +261,13 @@ class StepGate:
             baton.release()
 
 
+def _probe(t: tf.Tensor) -> tf.Tensor:
+    """A one-element slice of ``t`` (a data edge that waits for ``t`` without copying it)."""
+    if t.dtype == tf.resource or t.dtype == tf.variant:
+        return tf.zeros((), tf.int32)
+    return tf.reshape(t, [-1])[:1]
+
+
 def _consumers(tensors: Sequence[tf.Tensor]) -> list[tf.Operation]:
     """The ops that do a stage's backward with ``tensors`` (its output gradients): the gradient function calls.
 
@@ -297,9 +311,9 @@ def _finish_step(outputs: list[Any]) -> list[Any]:
 
 
 def gate_for(step_trace: int, num_microbatches: int, pp_rank: int, chain: Sequence[int], local_stages: int,
-             log: Any) -> StepGate | None:
+             log: Any, receive_streams: int = 0) -> StepGate | None:
     """The `StepGate` of step trace ``step_trace``, or None when overlap is off (not requested, or no pool)."""
-    if not overlap_requested():
+    if not runtime().overlap:
         return None
     state: TFState = tf_state()
     if id(state) not in _REGISTERED:
@@ -311,7 +325,7 @@ def gate_for(step_trace: int, num_microbatches: int, pp_rank: int, chain: Sequen
     if gate is None:
         for old in [k for k in _GATES if k != step_trace]:
             del _GATES[old]  # a trace that never reached finish_step (it raised)
-        gate = StepGate(pp_rank, num_microbatches, chain, local_stages, log)
+        gate = StepGate(pp_rank, num_microbatches, chain, local_stages, log, receive_streams)
         _GATES[step_trace] = gate
     return gate if gate.overlap else None
 

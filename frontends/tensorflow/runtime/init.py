@@ -44,7 +44,8 @@ from .mpi import all_true, bcast_object, wait_request
 from .store import JOB_DIR_ENV, FileStore
 from .transport import Transport
 
-__all__ = ["TFRuntime", "config", "init", "is_initialized", "reset", "runtime"]
+__all__ = ["INTER_OP_POOL", "OVERLAP_ENV", "TFRuntime", "config", "init", "is_initialized", "overlap_requested", "reset",
+           "runtime"]
 
 logger = logging.getLogger("smp")
 
@@ -70,6 +71,8 @@ class TFRuntime:
         store: the job's `FileStore` (None for one process).
         transport: the tensor transport over ``engine_comm``.
         exit_guard: ends the job on an uncaught exception (None for one process).
+        overlap: steps overlap microbatches in the scheduler's order (`overlap_requested` on every
+            rank; agreed at `init`, since a lockstep rank and a plan-ordered one can deadlock).
     """
 
     launch: Launch
@@ -79,6 +82,7 @@ class TFRuntime:
     groups: dict[GroupKind, Any] = field(default_factory=dict)
     group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
     store: FileStore | None = None
+    overlap: bool = False
     transport: Transport | None = None
     exit_guard: failure.ExitGuard | None = None
     owned_comms: list[Any] = field(default_factory=list)  # what reset frees
@@ -187,7 +191,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         from ..optimizers import install_for_session
 
         install_for_session()
-    _size_inter_op_pool(cfg)
+    rt.overlap = all_true(rt.comm, overlap_requested(), f"agreeing on {OVERLAP_ENV} (overlap mode)")
+    _size_inter_op_pool(rt.overlap)
     if launch.rank == 0:
         for note in cfg.notes:
             logger.info(note)
@@ -290,24 +295,57 @@ def open_job_store(comm: Any, rank: int, timeout_s: float) -> FileStore:
     return FileStore(path, timeout_s=min(timeout_s, 30.0))
 
 
-def _size_inter_op_pool(cfg: Config) -> None:
-    """With ``SMP_TF_OVERLAP=1``, make TF's inter-op pool large enough for overlap (engine/schedule.py).
+OVERLAP_ENV = "SMP_TF_OVERLAP"
+INTER_OP_POOL = 32  # threads; what overlap needs is `engine.schedule.min_inter_op_threads` (8-16 for most models)
 
-    Blocked receives hold inter-op threads, so the experimental overlap path needs a pool of about
-    ``5 * microbatches * stages + 8``; the size can be set only before TensorFlow's first op. If TF
-    has started already, the engine falls back to lockstep with a warning naming the fix.
+
+def overlap_requested() -> bool:
+    """Whether steps run this rank's work in the shared scheduler's order, overlapping microbatches.
+
+    ``SMP_TF_OVERLAP=1`` (``true``, ``yes``, ``on``) turns it on, ``0`` (``false``, ``no``, ``off``)
+    gives lockstep. Unset, it is on when this process is bound to part of the machine's CPUs
+    (``mpiexec -bind-to core``; Open MPI binds 1-2 ranks per node to cores by default) and off
+    otherwise: ranks that share every core compete for them, and on the dev box overlap was then
+    slower than lockstep (``benchmarks/tf_pipeline.py``).
+
+    Raises:
+        LaunchError: any other value.
     """
-    if os.environ.get("SMP_TF_OVERLAP", "").strip().lower() not in ("1", "true", "yes", "on"):
+    value = os.environ.get(OVERLAP_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value:
+        raise LaunchError(f"{OVERLAP_ENV}={value!r} is not understood. Fix: {OVERLAP_ENV}=1 (microbatches overlap "
+                          f"in the scheduler's order), {OVERLAP_ENV}=0 (lockstep), or leave it unset (overlap when "
+                          "each rank is bound to its own cores)")
+    if not hasattr(os, "sched_getaffinity"):
+        return False
+    return len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+
+
+def _size_inter_op_pool(overlap: bool) -> None:
+    """With overlap (`overlap_requested`), give TF's inter-op pool `INTER_OP_POOL` threads.
+
+    Waiting receives and start markers hold inter-op threads (`engine.schedule.min_inter_op_threads`
+    says how many may wait at once); the size can be set only before TensorFlow's first op. If TF
+    has started already, a step whose need the pool does not meet runs lockstep with a warning naming
+    the fix. Measured: a pool of 88 threads on a rank bound to one core made the step 10-30 %
+    slower than 12-32 (idle pool threads still take the core).
+    """
+    if not overlap:
         return
     import tensorflow as tf
 
-    want = 10 * int(cfg.microbatches) + 8
+    want = INTER_OP_POOL
     try:
         if tf.config.threading.get_inter_op_parallelism_threads() < want:
             tf.config.threading.set_inter_op_parallelism_threads(want)
     except RuntimeError as e:  # the context exists: too late
-        logger.warning("SMP_TF_OVERLAP: cannot size TensorFlow's inter-op pool (%s); call "
-                       "tf.config.threading.set_inter_op_parallelism_threads(%d) before the first TF op", e, want)
+        logger.warning("%s: cannot size TensorFlow's inter-op pool (%s); call "
+                       "tf.config.threading.set_inter_op_parallelism_threads(%d) before the first TF op",
+                       OVERLAP_ENV, e, want)
 
 
 def runtime() -> TFRuntime:

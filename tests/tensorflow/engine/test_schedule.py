@@ -1,4 +1,4 @@
-"""Overlapped microbatches (``SMP_TF_OVERLAP=1``): each rank runs its work in the shared scheduler's order.
+"""Overlapped microbatches (``SMP_TF_OVERLAP=1``, or unset with ranks bound to cores): the scheduler's order.
 
 Real MPI ranks, real Keras models (`tests.tensorflow.model.cases`: the DistributedModel through
 ``@smp.step`` in an outer ``@tf.function``, against the same model in one Keras process). Checked:
@@ -26,18 +26,22 @@ pytestmark = pytest.mark.mpi
 
 LOSS_RTOL = 1e-6
 VAR_ATOL, VAR_RTOL = 2e-6, 1e-6
-THREADS = 96
 
 
-def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, Any]:
-    """One rank: overlap on, a large inter-op pool (before TF's first op), then each case of `cases.train`."""
+def launch(cases_: list[tuple[str, str]], config: dict[str, Any], overlap_env: str | None = "1") -> dict[str, Any]:
+    """One rank: ``SMP_TF_OVERLAP=overlap_env`` (None: unset), ``smp.init``, then each case of `cases.train`.
+
+    The inter-op pool is the one ``smp.init`` sizes (`runtime.init.INTER_OP_POOL`), so a need
+    above it (`engine.schedule.min_inter_op_threads`) would show here as a lockstep run.
+    """
     import os
 
-    os.environ["SMP_TF_OVERLAP"] = "1"
-    import tensorflow as tf
-
-    tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+    if overlap_env is None:
+        os.environ.pop("SMP_TF_OVERLAP", None)
+    else:
+        os.environ["SMP_TF_OVERLAP"] = overlap_env
     import smp.tensorflow as smp
+    from smp.tensorflow.runtime.init import runtime
     from smp.tensorflow.state import tf_state
 
     import smp.state as smp_state
@@ -47,7 +51,7 @@ def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, A
 
     cases.MICROBATCHES = int(config["microbatches"])
     smp.init(config)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"overlap": runtime().overlap, "cpus": sorted(os.sched_getaffinity(0))}
     for name, spelling in cases_:
         result = cases.train(name, spelling)
         model = tf_state().model
@@ -64,6 +68,7 @@ def launch(cases_: list[tuple[str, str]], config: dict[str, Any]) -> dict[str, A
 
 
 def _check(results: list[dict[str, Any]], key: str, pp: int, microbatches: int) -> None:
+    assert all(r["overlap"] for r in results), [(r["overlap"], r["cpus"]) for r in results]
     ranks = [r[key] for r in results]
     ref = next(r for r in ranks if "ref_losses" in r)
     for r in ranks:
@@ -104,9 +109,11 @@ def pp2_simple() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def pp2_interleaved() -> list[dict[str, Any]]:
+    """No SMP_TF_OVERLAP: ranks bound to a core each (``-bind-to core``) overlap by default."""
     config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved", "auto_partition": False,
               "default_partition": 0}
-    return run_mpi_ranks(launch, 2, args=([("tied_lm", "tape"), ("bn_dropout", "tape")], config), timeout=300)
+    return run_mpi_ranks(launch, 2, args=([("tied_lm", "tape"), ("bn_dropout", "tape")], config, None), timeout=300,
+                         mpiexec_args=("-bind-to", "core"))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +137,24 @@ def test_pp2_interleaved_follows_the_plan_and_matches_one_process(pp2_interleave
 def test_pp3_interleaved_tied_lm(pp3_interleaved: list[dict[str, Any]]) -> None:
     """Chain 0 -> 1 -> 2 -> 0 (the tied head on rank 0): rank 0 has two stages per microbatch."""
     _check(pp3_interleaved, "tied_lm/tape", 3, 4)
+
+
+def test_overlap_mode_from_the_environment_and_the_cpu_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from smp.tensorflow.runtime.init import OVERLAP_ENV, overlap_requested
+
+    from smp.errors import LaunchError
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv(OVERLAP_ENV, raising=False)
+    assert not overlap_requested()  # unbound: the ranks share every core, lockstep
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2})
+    assert overlap_requested()  # bound to a core
+    for value, want in (("0", False), ("off", False), ("1", True), ("Yes", True)):
+        monkeypatch.setenv(OVERLAP_ENV, value)
+        assert overlap_requested() is want, value
+    monkeypatch.setenv(OVERLAP_ENV, "sometimes")
+    with pytest.raises(LaunchError, match=r"SMP_TF_OVERLAP='sometimes'.*Fix: SMP_TF_OVERLAP=1"):
+        overlap_requested()
