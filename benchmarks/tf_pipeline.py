@@ -3,30 +3,34 @@
 The model is written as Keras users write one: a list of ``BLOCKS`` Dense(``WIDTH``, tanh) blocks
 looped in ``call()``, then a Dense(10) head; loss = sparse categorical cross-entropy. One step =
 ``M`` microbatches of ``MB`` rows (forward, backward, the mean of the gradients, one SGD update),
-the same data everywhere. Rows:
+the same data everywhere. One table per microbatch size (``--rows``, default 16 and 64 rows).
 
-- ``one process`` (before and after the others): plain Keras (``keras.Model``), one ``tf.function`` looping the microbatches;
-- ``smp pp2 (manual)``: a `DistributedModel` with ``smp.partition(0)`` around blocks 0-3 and
+A rank is a device here, as in ``benchmarks/bench_pipeline.py`` (one thread per rank): the runs
+marked *bound* start under ``mpiexec -bind-to core``, one core per process, and the one-process
+reference bound to one core is what 2 ranks are measured against. Rows:
+
+- ``one process`` (bound, before and after the others; the faster is the reference): plain Keras
+  (``keras.Model``), one ``tf.function`` looping the microbatches;
+- ``smp pp2 manual``: a `DistributedModel` with ``smp.partition(0)`` around blocks 0-3 and
   ``smp.partition(1)`` around blocks 4-7 and the head, in the SMP v1 script shape (``@smp.step``
-  returning tape gradients, ``@tf.function`` applying ``g.accumulate()``);
-- ``smp pp2 (manual, plan-ordered overlap)``: the same with ``SMP_TF_OVERLAP=1`` (experimental: the
-  transfers leave the step's program order and each stage's work takes the shared scheduler's baton,
-  ``interleaved``, so the ranks overlap microbatches; engine/schedule.py);
-- ``smp pp2 (auto)``: the same model without scopes, ``auto_partition`` with optimize "speed";
-- ``compute only``: in the manual launch, after the smp steps, each rank runs only its own half
-  of the same layers (rank 0: blocks 0-3 forward and backward against a ones gradient; rank 1:
-  blocks 4-7, head and loss from a fixed input), ``M`` microbatches, both ranks at once, no
-  communication. A 2-stage pipeline cannot beat it; a schedule that overlaps the stages perfectly
-  takes ``(M + 1) / M`` times it (the fill and drain of one microbatch).
+  returning tape gradients, ``@tf.function`` applying ``g.accumulate()``); bound, the default
+  mode is the plan-ordered overlap (engine/schedule.py), ``SMP_TF_OVERLAP=0`` lockstep;
+- ``compute only``: in the first manual launch, after the smp steps, each rank runs only its own
+  half of the same layers (rank 0: blocks 0-3 forward and backward against a ones gradient;
+  rank 1: blocks 4-7, head and loss from a fixed input), ``M`` microbatches, both ranks at once,
+  no communication. A 2-stage pipeline cannot beat it; a perfect overlap takes ``(M + 1) / M``
+  times it;
+- ``smp pp2 auto``: the same model without scopes, ``auto_partition`` with optimize "speed";
+- ``unbound`` rows: plain ``mpiexec``, every process free to use both cores (TensorFlow's default
+  thread pools), for smp (default mode: lockstep there) and for one process.
 
-Per row: the median over steps of the slower rank's step time (after a barrier), and ratios. The
-one-process run is launched before and after the others (on a shared box the load drifts between
-launches); the faster of the two is the "/ one process" reference. The compute-only bound comes
-from the same launch as the manual pipeline, so that ratio is the one least affected by load.
+Per row: the median over steps of the slower rank's step time (after a barrier), then the median
+over ``--rounds`` rounds (each round launches every row once, in table order): on the shared box
+the load drifts between launches by +-30 %, so one launch per row can rank two rows either way.
 Every process runs with the project's test settings for TensorFlow (set by the MPI launcher,
-``tests/helpers/mpi_spawn.py``): ``OMP_NUM_THREADS=1``, oneDNN off, TF's default thread pools.
+``tests/helpers/mpi_spawn.py``): ``OMP_NUM_THREADS=1``, oneDNN off.
 
-    .venv/bin/python benchmarks/tf_pipeline.py [--steps 10] [--warmup 3]
+    .venv/bin/python benchmarks/tf_pipeline.py [--steps 10] [--warmup 3] [--rows 16 64]
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ M, MB, WIDTH, BLOCKS, CLASSES = 8, 16, 768, 8, 10
 CUT = BLOCKS // 2  # the first block on rank 1
 
 
-def _data(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _data(steps: int, mb: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
-    return [(rng.standard_normal((M * MB, WIDTH)).astype(np.float32),
-             rng.integers(0, CLASSES, (M * MB,)).astype(np.int32)) for _ in range(steps)]
+    return [(rng.standard_normal((M * mb, WIDTH)).astype(np.float32),
+             rng.integers(0, CLASSES, (M * mb,)).astype(np.int32)) for _ in range(steps)]
 
 
 def _model(base: type, manual: bool) -> Any:
@@ -95,7 +99,7 @@ def _timed(fn: Any, data: list[tuple[np.ndarray, np.ndarray]], barrier: Any = No
     return times
 
 
-def single(steps: int, warmup: int) -> dict[str, Any]:
+def single(steps: int, warmup: int, mb: int = MB) -> dict[str, Any]:
     """Plain Keras in one process: the microbatch loop in one tf.function."""
     import keras
     import tensorflow as tf
@@ -103,7 +107,7 @@ def single(steps: int, warmup: int) -> dict[str, Any]:
     model = _model(keras.Model, manual=False)
     opt = keras.optimizers.SGD(1e-3)
     loss_obj = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model(np.zeros((MB, WIDTH), np.float32))
+    model(np.zeros((mb, WIDTH), np.float32))
 
     @tf.function
     def train_step(x: Any, y: Any) -> Any:
@@ -111,17 +115,17 @@ def single(steps: int, warmup: int) -> dict[str, Any]:
         total = 0.0
         for m in range(M):
             with tf.GradientTape() as tape:
-                loss = loss_obj(y[m * MB:(m + 1) * MB], model(x[m * MB:(m + 1) * MB]))
+                loss = loss_obj(y[m * mb:(m + 1) * mb], model(x[m * mb:(m + 1) * mb]))
             acc = [a + g for a, g in zip(acc, tape.gradient(loss, model.trainable_variables))]
             total += loss
         opt.apply_gradients(zip([a / M for a in acc], model.trainable_variables))
         return total / M
 
-    times = _timed(lambda x, y: float(train_step(x, y)), _data(steps + warmup))
+    times = _timed(lambda x, y: float(train_step(x, y)), _data(steps + warmup, mb))
     return {"times": times[warmup:]}
 
 
-def ours(cut: str, steps: int, warmup: int) -> dict[str, Any]:
+def ours(cut: str, steps: int, warmup: int, mb: int = MB) -> dict[str, Any]:
     """smp pp2: the SMP v1 script shape; with ``cut == "manual"`` also each rank's half alone."""
     import keras
     import smp.tensorflow as smp
@@ -148,79 +152,104 @@ def ours(cut: str, steps: int, warmup: int) -> dict[str, Any]:
         opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
         return loss.reduce_mean()
 
-    data = _data(steps + warmup)
+    data = _data(steps + warmup, mb)
     times = _timed(lambda x, y: float(train_step(x, y)), data, smp.barrier)
     layers = [(f"block {i}", b) for i, b in enumerate(model.blocks)] + [("head", model.head)]
     rank1 = [name for name, layer in layers if model.variable_owner(layer.kernel) == 1]
-    out: dict[str, Any] = {"times": times[warmup:], "rank1": rank1}
+    from smp.tensorflow.runtime.init import runtime
+
+    out: dict[str, Any] = {"times": times[warmup:], "rank1": rank1, "overlap": runtime().overlap}
     if cut == "manual":
-        out["half"] = _half_alone(model, loss_obj, data, smp)[warmup:]
+        out["half"] = _half_alone(model, loss_obj, data, smp, mb)[warmup:]
     return out
 
 
-def _half_alone(model: Any, loss_obj: Any, data: list[tuple[np.ndarray, np.ndarray]], smp: Any) -> list[float]:
+def _half_alone(model: Any, loss_obj: Any, data: list[tuple[np.ndarray, np.ndarray]], smp: Any,
+                mb: int) -> list[float]:
     """This rank's half of the layers, forward + backward of every microbatch, no communication."""
     import tensorflow as tf
 
     mine = model.blocks[:CUT] if smp.pp_rank() == 0 else [*model.blocks[CUT:], model.head]
     variables = [v for layer in mine for v in layer.trainable_variables]
-    h_in = tf.constant(np.random.default_rng(1).standard_normal((MB, WIDTH)).astype(np.float32))
+    h_in = tf.constant(np.random.default_rng(1).standard_normal((mb, WIDTH)).astype(np.float32))
 
     @tf.function
     def half(x: Any, y: Any) -> Any:
         acc = [tf.zeros_like(v) for v in variables]
         for m in range(M):
             with tf.GradientTape() as tape:
-                h = x[m * MB:(m + 1) * MB] if smp.pp_rank() == 0 else h_in
+                h = x[m * mb:(m + 1) * mb] if smp.pp_rank() == 0 else h_in
                 tape.watch(h)
                 for layer in mine:
                     h = layer(h)
-                target = tf.reduce_sum(h) if smp.pp_rank() == 0 else loss_obj(y[m * MB:(m + 1) * MB], h)
+                target = tf.reduce_sum(h) if smp.pp_rank() == 0 else loss_obj(y[m * mb:(m + 1) * mb], h)
             acc = [a + g for a, g in zip(acc, tape.gradient(target, [*variables, h])[:-1])]
         return tf.add_n([tf.reduce_sum(a) for a in acc])
 
     return _timed(lambda x, y: float(half(x, y)), data, smp.barrier)
 
 
+BIND = ("-bind-to", "core")  # Hydra's spelling; Open MPI: --bind-to core (its default for 1-2 ranks)
+
+
+def _rows(mb: int, steps: int, warmup: int) -> list[tuple[str, float, str, str]]:
+    """The table rows for microbatches of ``mb`` rows: (run, ms per step, mode, on rank 1)."""
+    import importlib
+
+    me = importlib.import_module("benchmarks.tf_pipeline")  # the ranks import the functions by module name
+
+    def one_process(bind: bool) -> float:
+        out = run_mpi_ranks(me.single, 1, args=(steps, warmup, mb), timeout=600, mpiexec_args=BIND if bind else ())
+        return statistics.median(out[0]["times"])
+
+    def pipelined(cut: str, bind: bool, env: dict[str, str] | None = None) -> tuple[float, list[dict[str, Any]]]:
+        out = run_mpi_ranks(me.ours, 2, args=(cut, steps, warmup, mb), timeout=600, env=env,
+                            mpiexec_args=BIND if bind else ())
+        return statistics.median(max(ts) for ts in zip(*(o["times"] for o in out))), out
+
+    def mode(out: list[dict[str, Any]]) -> str:
+        return "plan-ordered overlap" if out[0]["overlap"] else "lockstep"
+
+    rows: list[tuple[str, float, str, str]] = [("one process, bound to 1 core, before", one_process(True), "-", "-")]
+    t, out = pipelined("manual", True)
+    rows.append(("smp pp2 manual, bound (the default)", t, mode(out), ", ".join(out[0]["rank1"])))
+    bound = statistics.median(max(ts) for ts in zip(*(o["half"] for o in out)))
+    rows.append(("compute only: each rank its half, no communication", bound, "-", f"blocks {CUT}-{BLOCKS - 1} + head"))
+    t, out = pipelined("manual", True, {"SMP_TF_OVERLAP": "0"})
+    rows.append(("smp pp2 manual, bound, SMP_TF_OVERLAP=0", t, mode(out), ", ".join(out[0]["rank1"])))
+    t, out = pipelined("auto", True)
+    rows.append(("smp pp2 auto (optimize speed), bound", t, mode(out), ", ".join(out[0]["rank1"])))
+    t, out = pipelined("manual", False)
+    rows.append(("smp pp2 manual, unbound (the default)", t, mode(out), ", ".join(out[0]["rank1"])))
+    t, out = pipelined("manual", False, {"SMP_TF_OVERLAP": "1"})
+    rows.append(("smp pp2 manual, unbound, SMP_TF_OVERLAP=1", t, mode(out), ", ".join(out[0]["rank1"])))
+    rows.append(("one process, unbound (TF's threads on both cores)", one_process(False), "-", "-"))
+    rows.append(("one process, bound to 1 core, after", one_process(True), "-", "-"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=[MB, 4 * MB], help="rows per microbatch, one table each")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="every row is launched once per round; a row's figure is its median over the rounds")
     args = parser.parse_args()
-    # The ranks import the functions by module name, which __main__ is not.
-    import importlib
-
-    me = importlib.import_module("benchmarks.tf_pipeline")
-    single, ours = me.single, me.ours
-    def one_process() -> float:
-        return statistics.median(run_mpi_ranks(single, 1, args=(args.steps, args.warmup), timeout=600)[0]["times"])
-
-    before = one_process()
-    rows: list[tuple[str, float, str]] = [("one process (plain Keras), before", before, "-")]
-    bound = None
-    for cut, overlap in (("manual", False), ("manual", True), ("auto", False)):
-        env = {"SMP_TF_OVERLAP": "1"} if overlap else None
-        out = run_mpi_ranks(ours, 2, args=(cut, args.steps, args.warmup), timeout=600, env=env)
-        t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
-        label = f"smp pp2 ({cut}, plan-ordered overlap: SMP_TF_OVERLAP=1)" if overlap else f"smp pp2 ({cut}, lockstep)"
-        rows.append((label, t, ", ".join(out[0]["rank1"])))
-        if cut == "manual" and not overlap:
-            bound = statistics.median(max(ts) for ts in zip(*(o["half"] for o in out)))
-            rows.append(("compute only (each rank its half, no communication)", bound,
-                         f"blocks {CUT}-{BLOCKS - 1} + head"))
-    after = one_process()
-    rows.append(("one process (plain Keras), after", after, "-"))
-    one = min(before, after)  # the load of a shared box drifts between launches: the faster run is the reference
-    load = os.getloadavg()
-    print(f"\n{BLOCKS} x Dense({WIDTH}, tanh) + Dense({CLASSES}), {M} microbatches of {MB} rows, SGD; "
-          f"median of {args.steps} steps after {args.warmup} warm-up; load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f} on {os.cpu_count()} CPUs\n")
-    print("| run | ms/step (median) | / one process | / compute-only bound | / (M+1)/M x bound | on rank 1 |")
-    print("|---|---|---|---|---|---|")
-    assert bound is not None
-    for label, t, rank1 in rows:
-        print(f"| {label} | {t * 1e3:.1f} | {t / one:.3f} | {t / bound:.3f} | {t / (bound * (M + 1) / M):.3f} "
-              f"| {rank1} |", flush=True)
+    for mb in args.rows:
+        rounds = [_rows(mb, args.steps, args.warmup) for _ in range(args.rounds)]
+        rows = [(label, statistics.median(r[i][1] for r in rounds), how, rank1)
+                for i, (label, _, how, rank1) in enumerate(rounds[0])]
+        one = min(t for label, t, _, _ in rows if label.startswith("one process, bound"))
+        bound = next(t for label, t, _, _ in rows if label.startswith("compute only"))
+        load = os.getloadavg()
+        print(f"\n{BLOCKS} x Dense({WIDTH}, tanh) + Dense({CLASSES}), {M} microbatches of {mb} rows, SGD; median of "
+              f"{args.steps} steps after {args.warmup} warm-up, median over {args.rounds} rounds; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+              f"on {os.cpu_count()} CPUs\n")
+        print("| run | mode | ms/step (median) | / one process (1 core) | / compute-only bound | on rank 1 |")
+        print("|---|---|---|---|---|---|")
+        for label, t, how, rank1 in rows:
+            print(f"| {label} | {how} | {t * 1e3:.1f} | {t / one:.3f} | {t / bound:.3f} | {rank1} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # 2 CPU ranks (progress bar, partition report, measured timeline, loss curve in demo-output/).
 #   bash scripts/demo.sh [args...]               torch: examples/train_gpt.py under torchrun
 #   bash scripts/demo.sh --tensorflow [args...]  TensorFlow: examples/tensorflow/train_keras.py under
-#                                                mpiexec -n 2 (a Keras char transformer; output in demo-output/tf)
+#                                                mpiexec -bind-to core -n 2 (a Keras char transformer; output in demo-output/tf)
 # Other arguments pass through to the script (e.g. --steps 20).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +17,7 @@ cd "$root"
 export OMP_NUM_THREADS=1
 if [ "$tensorflow" = 1 ]; then
   export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}" TF_ENABLE_ONEDNN_OPTS="${TF_ENABLE_ONEDNN_OPTS:-0}"
-  exec "$root/.venv/bin/mpiexec" -n 2 "$root/.venv/bin/python" examples/tensorflow/train_keras.py ${args[@]+"${args[@]}"}
+  # One core per rank: the ranks then overlap microbatches in the scheduler's plan (docs/tensorflow.md).
+  exec "$root/.venv/bin/mpiexec" -bind-to core -n 2 "$root/.venv/bin/python" examples/tensorflow/train_keras.py ${args[@]+"${args[@]}"}
 fi
 torchrun --nproc-per-node 2 examples/train_gpt.py --out demo-output ${args[@]+"${args[@]}"} 2> >(grep -v -e "^W1" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" >&2)

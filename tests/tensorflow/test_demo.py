@@ -1,6 +1,6 @@
 """examples/tensorflow/train_keras.py, the TF demo: the Keras char transformer under mpiexec on 2 ranks.
 
-The script runs as users run it (``mpiexec -n 2 python examples/tensorflow/train_keras.py``, the
+The script runs as users run it (``mpiexec -bind-to core -n 2 python examples/tensorflow/train_keras.py``, the
 command ``scripts/demo.sh --tensorflow`` execs) with tiny settings; at the same time its
 ``--reference`` mode trains the same model, data and seed in one plain Keras process. Checked:
 the automatic partition report (smp logs it on rank 0) puts the embeddings on rank 0, the head on
@@ -54,7 +54,8 @@ def test_demo_partitions_the_keras_transformer_between_blocks_and_matches_one_pr
     if not os.path.exists(mpiexec):
         pytest.skip(f"mpiexec not found next to {sys.executable} (install mpich: requirements/dev.txt)")
     flags = [a for key, value in SMALL.items() for a in (f"--{key}", str(value))]
-    demo = _start([mpiexec, "-n", "2", sys.executable, SCRIPT, "--out", str(tmp_path / "smp"), *flags])
+    demo = _start([mpiexec, "-bind-to", "core", "-n", "2", sys.executable, SCRIPT, "--out", str(tmp_path / "smp"),
+                   *flags])
     ref = _start([sys.executable, SCRIPT, "--reference", "--out", str(tmp_path / "ref"), *flags])
     log = _finish(demo, "the 2-rank demo")
     _finish(ref, "the one-process reference")
