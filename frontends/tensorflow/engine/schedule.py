@@ -75,11 +75,11 @@ from smp.errors import ScheduleError
 from smp.pipeline.baton import Baton
 from smp.pipeline.choose import rank_plan
 
-from ..runtime.init import OVERLAP_ENV, overlap_requested, runtime
+from ..runtime.init import runtime
 from ..state import TFState, tf_state
 from .exchange import independent
 
-__all__ = ["OVERLAP_ENV", "StepGate", "gate_for", "min_inter_op_threads", "overlap_requested"]
+__all__ = ["StepGate", "gate_for", "min_inter_op_threads"]
 
 logger = logging.getLogger("smp.tensorflow")
 
@@ -183,8 +183,9 @@ class StepGate:
         # edge on the call op then waits only for the body's side effects, not for its compute; the
         # baton went back while the action still ran, and the next ones shared the core with it
         # (measured: a gradient the peer waits for left 30 ms late behind later microbatches' work).
-        probes = [_probe(t) for op in ops for t in op.outputs]
-        with tf.control_dependencies([op for op in ops if not op.outputs]):
+        probes = [_probe(t) for op in ops for t in op.outputs if t.dtype not in (tf.resource, tf.variant)]
+        with tf.control_dependencies([op for op in ops
+                                      if all(t.dtype in (tf.resource, tf.variant) for t in op.outputs)]):
             independent(tf.numpy_function(end, [action.token, *probes], tf.int32, stateful=True,
                                           name=f"smp_gate_end_{action.kind}"), self.keep)
         action.released = True
@@ -263,8 +264,6 @@ class StepGate:
 
 def _probe(t: tf.Tensor) -> tf.Tensor:
     """A one-element slice of ``t`` (a data edge that waits for ``t`` without copying it)."""
-    if t.dtype == tf.resource or t.dtype == tf.variant:
-        return tf.zeros((), tf.int32)
     return tf.reshape(t, [-1])[:1]
 
 
