@@ -26,7 +26,10 @@ the caller's next call to the same rank continues it, and only the caller doing 
 calling a third rank ends it. So a Hugging Face decoder loop whose second half of layers sits on
 rank 1 records the chain 0 -> 1 -> 0, not one hop per layer.
 
-Message kinds: forward request/reply, backward request/reply, fetch request/reply, end of an open
+The calling side of a cross-rank call is requester.py, the called side owner.py, a microbatch's
+state task.py; this module holds the baton, the dispatch of messages and the step.
+
+Message kinds (wire.py): forward request/reply, backward request/reply, fetch request/reply, end of an open
 run, end of a microbatch (the owners free its values), error, done (the leader's results for the
 followers), stop (end of a rank's sending), dynamic (a peer fell back to the dynamic rule).
 """
@@ -34,14 +37,12 @@ followers), stop (end of a rank's sending), dynamic (a peer fell back to the dyn
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,16 +52,35 @@ from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 
 from ..runtime import failure
 from .local import current_task, set_task
-from .refs import RemoteTensor, resolve
-from .wire import Cached, Message, Out, Ref, Slot, Transport, map_structure, pack, unpack
+from .owner import Owner
+from .refs import resolve
+from .requester import Requester
+from .task import Task
+from .wire import (
+    BWD_REQ,
+    DONE,
+    DYNAMIC,
+    END_RUN,
+    ERROR,
+    FETCH,
+    FWD_REP,
+    FWD_REQ,
+    MB_END,
+    REPLIES,
+    STOP,
+    TASK_END,
+    Message,
+    Transport,
+    pack,
+    unpack,
+)
+
+__all__ = ["Engine", "Event", "current_task"]
 
 logger = logging.getLogger("smp")
-
-(FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END, FETCH, FETCH_REP, END_RUN,
- MB_END) = range(1, 14)
-_REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
+
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
 # A tensor the step body computes from a fetched value (a loss, the logits the step returns)
@@ -69,8 +89,6 @@ _POLL_S = 0.2
 # which the cyclic GC cannot traverse: every step's tasks, values and graphs would stay alive for
 # good. So fetches (and references) refer to their task weakly, and `run_step` drops the step's
 # tasks before it returns.
-
-LeafId = tuple[int, int, int]  # (sender pp_rank, sender's call number, slot): a tensor a rank received
 
 
 @dataclass
@@ -84,45 +102,6 @@ class Event:
     end: float = 0.0
     ordinal: int = 0
     light: bool = False
-
-
-@dataclass
-class Task:
-    """A microbatch's thread of control on this rank."""
-
-    engine: Engine
-    microbatch: int
-    inbox: queue.SimpleQueue[Message] = field(default_factory=queue.SimpleQueue)
-    calls: int = 0
-    trail: list[int] = field(default_factory=list)
-    chain: list[int] | None = None
-    result: Any = None
-    error: BaseException | None = None
-    counts: dict[str, int] = field(default_factory=dict)
-    in_light: bool = False
-    grad_enabled: bool = True
-    backward_called: bool = False
-    holding: bool = False  # holds this rank's baton
-    run_with: int | None = None  # the peer whose action stays open for this microbatch's next call
-    # Owner side: outputs kept for callers (key -> tensor with its graph), tensors received (by
-    # LeafId), and the kept outputs a caller fetched with a gradient to come.
-    values: dict[Any, torch.Tensor] = field(default_factory=dict)
-    leaves: dict[LeafId, torch.Tensor] = field(default_factory=dict)
-    exported: set[Any] = field(default_factory=set)
-    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> the reply expected.
-    ahead: dict[Any, dict[str, Any]] = field(default_factory=dict)
-    # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
-    # order, and every tensor sent (id -> (weakref, version, needs grad, LeafId)) so a repeat travels as `Cached`.
-    sent: dict[int, list[tuple[LeafId, torch.Tensor]]] = field(default_factory=dict)
-    cache: dict[int, dict[int, tuple[Any, int, bool, LeafId]]] = field(default_factory=dict)
-
-    def free(self) -> None:
-        """Drop what this microbatch kept for others (its step part is over)."""
-        self.values.clear()
-        self.leaves.clear()
-        self.exported.clear()
-        self.sent.clear()
-        self.cache.clear()
 
 
 class _Worker:
@@ -145,74 +124,7 @@ class _Stop(Exception):
     """Unwinds a task thread when the step ends or fails elsewhere."""
 
 
-class _Fetch(torch.autograd.Function):
-    """A value fetched from the rank that computed it, visible to autograd on the fetching rank.
-
-    Its inputs are the tensors this microbatch sent that rank so far (the value can depend only on
-    those); its backward sends the value's gradient to the owner, which backpropagates through its
-    kept graph and returns the gradients of those tensors.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, info: dict[str, Any], anchor: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        ctx.info = info
-        ctx.set_materialize_grads(False)
-        value: torch.Tensor = info.pop("data")
-        return value
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
-        info = ctx.info
-        if grad is None:
-            return (None, None, *[None] * len(info["deps"]))
-        engine: Engine = info["engine"]
-        return (None, None, *engine._backward_exchange(info, grad))
-
-
-_ANCHOR = torch.empty(0, requires_grad=True)
-
-
-class _Alias(torch.autograd.Function):
-    """``x``'s storage as a new non-leaf whose gradient goes to ``x`` as it is now.
-
-    The owner hands a received tensor to the module through one, so a module that changes its
-    input in place (``nn.ReLU(inplace=True)``) may, as in one process; the received leaf still
-    collects the gradient. The caller keeps one of each tensor it sent before that tensor is
-    changed in place, so later fetches still send that tensor's gradient to its old history.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        return grad
-
-
-def _info_task(info: dict[str, Any]) -> Task:
-    """The task a fetched value belongs to (held weakly: see Note [task lifetime])."""
-    task: Task | None = info["task"]()
-    if task is None:
-        raise SMPError(
-            f"backward reached an output of module {info['path']!r} (computed on pp_rank {info['owner']}) after "
-            "its @smp.step call ended; the pipeline runs a microbatch's backward only inside the step. Fix: call "
-            "model.backward(loss) inside the @smp.step function (outputs returned with detach_outputs=False cannot "
-            "be backpropagated through the pipeline afterwards)")
-    return task
-
-
-def _ref_or_value(x: Any, peer: int) -> Any:
-    """What of ``x`` goes to pp_rank ``peer``: a `Ref` to a value ``peer`` holds (unchanged since it
-    made it), else ``x`` itself, a reference owned elsewhere fetched here first."""
-    if isinstance(x, RemoteTensor):
-        if x.owner == peer and x.unchanged():
-            return Ref(x.key)
-        return x.get()
-    return x
-
-
-class Engine:
+class Engine(Requester, Owner):
     """Runs steps for one model on one pipeline.
 
     Args:
@@ -319,260 +231,8 @@ class Engine:
                       and not (self.pp_rank == 0 and k == (FORWARD, 0))}
         return self.light
 
-    # --- requester side ------------------------------------------------------------------------
-
-    def remote_forward(self, owner: int, path: str, span: tuple[int, int] | None, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], func: Callable[..., Any] | None = None) -> Any:
-        """Call a module owned by pipeline rank ``owner`` from the current microbatch task (or, with
-        ``func``, run a torch function there on values it holds)."""
-        task = current_task()
-        assert task is not None
-        if task.run_with is not None and task.run_with != owner:
-            self._end_run(task)
-        grad = torch.is_grad_enabled()
-        skeleton, tensors = self._pack_args(task, owner, (args, kwargs), grad)  # may fetch (and settle)
-        task.calls += 1
-        call_key = (task.calls, path)
-        cid = (self.pp_rank, task.calls)
-        body = {"id": cid, "path": path, "span": span, "func": func, "skeleton": skeleton, "grad": grad,
-                "trail": task.trail,
-                "open": self.keep_remote and not task.backward_called,
-                "eager": None if not self.keep_remote else sorted(self.eager.get(call_key, ()))}
-        signature = None
-        if body["open"]:
-            try:
-                signature = pickle.dumps((path, span, func, skeleton, grad, body["eager"],
-                                          [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]))
-            except Exception:  # noqa: BLE001 - an argument that does not pickle is sent as before
-                signature = None
-        known = self.predicted.get(call_key)
-        if (signature is not None and known is not None and known[0] == signature and task.run_with == owner
-                and not task.holding):
-            # Note [calls that do not wait]: the owner holds this microbatch's open run, and this
-            # call sends what it sent on the last step: it replies as it did then (checked when the
-            # reply comes), so the caller goes on at once and the owner never waits for it.
-            body["ahead"] = True
-            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
-            task.ahead[cid] = known[1]
-            reply_body, reply_tensors = known[1], []
-        else:
-            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
-            if task.holding:
-                self._release(task)
-            reply = self._serve(task, until=cid, peer=owner)
-            task.trail = reply.body["trail"]
-            if reply.body["open"]:
-                task.run_with = owner
-            elif not task.holding:
-                self._acquire(task, self._kind(task))
-            reply_body, reply_tensors = reply.body, reply.tensors
-            if signature is not None and reply_body["open"] and not reply_tensors:
-                self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True})
-        ndeps = len(task.sent.get(owner, ()))
-        for marker, out in reply_body.get("modified", ()):
-            self._apply_change(task, owner, marker, tensors, out, reply_tensors[out.data], ndeps, path)
-        out_skeleton = reply_body["skeleton"]
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, Out):
-                if x.data >= 0:
-                    return self._fetched(task, owner, x.key, reply_tensors[x.data], x.requires_grad, ndeps, path)
-                return RemoteTensor(x.shape, x.stride, x.dtype, x.requires_grad, engine=self, task=task, owner=owner,
-                                    key=x.key, origin=(call_key, x.index), ndeps=ndeps, path=path)
-            if isinstance(x, Ref):
-                return task.values[x.key]
-            return x
-
-        return map_structure(out_skeleton, leaf)
-
-    def _apply_change(self, task: Task, owner: int, marker: tuple[str, Any], sent: list[torch.Tensor], out: Out,
-                      data: torch.Tensor, ndeps: int, path: str) -> None:
-        """Note [inputs changed in place]: the module on ``owner`` changed one of the tensors this call
-        sent it in place (``nn.ReLU(inplace=True)``); change ours the same way, as in one process.
-
-        Our tensor becomes the owner's new value (a fetch, so its gradient goes there); first every
-        record of it as sent to a rank is replaced by an alias of it as it was, so the gradients
-        those ranks return still reach its old history.
-        """
-        kind, ident = marker
-        if kind == "slot":
-            local = sent[ident]
-        else:
-            local = next(ref() for ref, _, _, leaf_id in task.cache.get(owner, {}).values() if leaf_id == tuple(ident))
-        value = self._fetched(task, owner, out.key, data, out.requires_grad, ndeps, path)
-        if local.requires_grad:
-            with torch.enable_grad():
-                old = _Alias.apply(local)
-            for records in task.sent.values():
-                for i, (leaf_id, t) in enumerate(records):
-                    if t is local:
-                        records[i] = (leaf_id, old)
-        local.copy_(value)
-
     def _send(self, pp_dst: int, kind: int, mb: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors))
-
-    def _pack_args(self, task: Task, dst: int, obj: Any, grad: bool) -> tuple[Any, list[torch.Tensor]]:
-        """The request's skeleton and tensors: references ``dst`` holds travel as `Ref`, a tensor sent
-        to ``dst`` before in this microbatch (unchanged) as `Cached`, the rest as data."""
-        tensors: list[torch.Tensor] = []
-        call_no = task.calls + 1
-        cache = task.cache.setdefault(dst, {})
-
-        def leaf(x: Any) -> Any:
-            x = _ref_or_value(x, dst)
-            if not isinstance(x, torch.Tensor):
-                return x
-            need = grad and x.requires_grad
-            seen = cache.get(id(x))
-            if seen is not None and seen[0]() is x and seen[1:3] == (x._version, need):
-                return Cached(seen[3])
-            leaf_id = (self.pp_rank, call_no, len(tensors))
-            cache[id(x)] = (weakref.ref(x), x._version, need, leaf_id)
-            if need:
-                task.sent.setdefault(dst, []).append((leaf_id, x))
-            tensors.append(x)
-            return Slot(len(tensors) - 1, need)
-
-        return map_structure(obj, leaf), tensors
-
-    def _fetched(self, task: Task, owner: int, key: int, data: torch.Tensor, requires_grad: bool, ndeps: int,
-                 path: str) -> torch.Tensor:
-        """A value received from ``owner``, joined to this rank's graph when it carries a gradient."""
-        if not requires_grad:
-            return data
-        sent = task.sent.get(owner, [])[:ndeps]
-        info = {"engine": self, "task": weakref.ref(task), "owner": owner, "key": key, "path": path, "data": data,
-                "deps": [leaf_id for leaf_id, _ in sent]}
-        with torch.enable_grad():
-            out: torch.Tensor = _Fetch.apply(info, _ANCHOR, *[t for _, t in sent])
-        return out
-
-    def fetch(self, task: Task, ref: RemoteTensor) -> torch.Tensor:
-        """Bring a reference's value here (this microbatch does work on this rank from now on)."""
-        self.settle(task)
-        self._send(ref.owner, FETCH, task.microbatch, {"id": ("fetch", ref.key), "key": ref.key,
-                                                       "grad": ref.requires_grad})
-        reply = self._serve(task, until=("fetch", ref.key), peer=ref.owner)
-        call_key, index = ref.origin
-        if call_key[0] == task.calls:  # read before any other call: ask for it with the reply next time
-            self.eager.setdefault(call_key, set()).add(index)
-        return self._fetched(task, ref.owner, ref.key, reply.tensors[0], ref.requires_grad, ref.ndeps, ref.path)
-
-    def _backward_exchange(self, info: dict[str, Any], grad: torch.Tensor) -> list[torch.Tensor | None]:
-        task = _info_task(info)
-        owner = info["owner"]
-        bid = ("backward", info["key"])
-        self._send(owner, BWD_REQ, task.microbatch, {"id": bid, "key": info["key"], "deps": info["deps"],
-                                                     "trail": task.trail}, [grad])
-        if task.holding:
-            self._release(task)
-        reply = self._serve(task, until=bid, peer=owner)
-        task.trail = reply.body["trail"]
-        if not task.holding:
-            self._acquire(task, BACKWARD)
-        it = iter(reply.tensors)
-        return [next(it) if m else None for m in reply.body["mask"]]
-
-    # --- owner side ------------------------------------------------------------------------------
-
-    def _handle_forward(self, task: Task, msg: Message) -> None:
-        body = msg.body
-        src = msg.src_pp
-        task.trail = body["trail"]
-        if not task.holding:
-            self._acquire(task, FORWARD)
-
-        passed: list[tuple[tuple[str, Any], torch.Tensor, int]] = []  # what came as data, to see in-place changes
-
-        def given(marker: tuple[str, Any], t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                with torch.enable_grad():
-                    t = _Alias.apply(t)
-            passed.append((marker, t, t._version))
-            return t
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, Slot):
-                t = msg.tensors[x.index]
-                if x.requires_grad:
-                    t = t.requires_grad_(True)
-                task.leaves[(src, body["id"][1], x.index)] = t
-                return given(("slot", x.index), t)
-            if isinstance(x, Cached):
-                return given(("cached", x.leaf), task.leaves[x.leaf])
-            if isinstance(x, Ref):
-                return task.values[x.key]
-            return x
-
-        args, kwargs = map_structure(body["skeleton"], leaf)
-        with torch.set_grad_enabled(body["grad"]):
-            func = body["func"]
-            out = func(*args, **kwargs) if func is not None else self.run_local(body["path"], body["span"], args,
-                                                                                 kwargs)
-        changed = [(marker, t) for marker, t, version in passed if t._version != version]
-        if task.run_with == src:
-            task.run_with = None  # the caller holds its own baton again: it continues from our reply
-        eager = body["eager"]
-        data: list[torch.Tensor] = []
-        count = 0
-
-        def out_leaf(x: Any, send: bool = False) -> Any:
-            nonlocal count
-            x = _ref_or_value(x, src)
-            if not isinstance(x, torch.Tensor):
-                return x
-            index, count = count, count + 1
-            key = (src, body["id"][1], index)  # named by the caller's call: it can know it before the reply
-            task.values[key] = x
-            rg = body["grad"] and x.requires_grad
-            slot = -1
-            if send or eager is None or index in eager:
-                data.append(x.detach())
-                slot = len(data) - 1
-                if rg:
-                    task.exported.add(key)
-            return Out(key, index, tuple(x.shape), tuple(x.stride()), x.dtype, rg, slot)
-
-        skeleton = map_structure(out, out_leaf)
-        # Inputs the module changed in place go back with their new values: the caller changes its
-        # own tensors the same way (Note [inputs changed in place]).
-        modified = [(marker, out_leaf(t, send=True)) for marker, t in changed]
-        self._end_run(task)  # a run we opened on a third rank
-        keep = body["open"] and not data and task.holding
-        self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
-                                                   "trail": task.trail, "modified": modified}, data)
-        if task.holding and not keep:
-            self._release(task)
-
-    def _handle_fetch(self, task: Task, msg: Message) -> None:
-        key = msg.body["key"]
-        value = task.values[key]
-        if msg.body["grad"] and value.requires_grad:
-            task.exported.add(key)
-        self._send(msg.src_pp, FETCH_REP, task.microbatch, {"id": msg.body["id"]}, [value.detach()])
-
-    def _handle_backward(self, task: Task, msg: Message) -> None:
-        body = msg.body
-        task.trail = body["trail"]
-        held = task.holding
-        if not held:
-            self._acquire(task, BACKWARD)
-        key = body["key"]
-        task.exported.discard(key)
-        # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
-        torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
-        grads = []
-        for leaf_id in body["deps"]:
-            leaf = task.leaves.get(tuple(leaf_id))
-            g = None if leaf is None else leaf.grad
-            if leaf is not None:
-                leaf.grad = None
-            grads.append(g)
-        self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": [g is not None for g in grads],
-                                                          "trail": task.trail}, [g for g in grads if g is not None])
-        if not held:
-            self._release(task)
 
     def _serve(self, task: Task, until: Any, peer: int | None = None) -> Message:
         """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
@@ -603,7 +263,7 @@ class Engine:
                 if until == "ahead" and not task.ahead:
                     return msg
                 continue
-            if kind in _REPLIES:
+            if kind in REPLIES:
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
                 return msg

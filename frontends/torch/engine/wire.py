@@ -27,6 +27,13 @@ from smp import structure
 
 from ..runtime.failure import wait
 
+# Message kinds: forward request/reply, backward request/reply, error, done (the leader's results for
+# the followers), stop (end of a rank's sending), dynamic (a peer fell back to the dynamic rule), end
+# of a task (local only), fetch request/reply, end of an open run, end of a microbatch.
+(FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END, FETCH, FETCH_REP, END_RUN,
+ MB_END) = range(1, 14)
+REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
+
 TAG = 0x51D
 HEADER = 5
 FRAME = 8192  # bytes: one gloo message carries a small message whole

@@ -1,0 +1,121 @@
+"""The owner side of the engine: running the calls another pipeline rank makes into this rank's modules.
+
+The owner runs a forward request in the microbatch's task on this rank and keeps the outputs, with
+their graph, under keys the caller can name (`Task.values`); it replies with their metadata, or
+their values when the caller reads them at once. A fetch sends a kept value; a backward request
+backpropagates a kept value's gradient and replies with the gradients of the tensors the caller had
+sent. `Owner` is mixed into `Engine` (engine.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smp.pipeline.baton import BACKWARD, FORWARD
+
+from .task import Alias, Task, ref_or_value
+from .wire import BWD_REP, FETCH_REP, FWD_REP, Cached, Message, Out, Ref, Slot, map_structure
+
+
+class Owner:
+    """The called side of `Engine` (see the module docstring)."""
+
+    def _handle_forward(self, task: Task, msg: Message) -> None:
+        body = msg.body
+        src = msg.src_pp
+        task.trail = body["trail"]
+        if not task.holding:
+            self._acquire(task, FORWARD)
+
+        passed: list[tuple[tuple[str, Any], torch.Tensor, int]] = []  # what came as data, to see in-place changes
+
+        def given(marker: tuple[str, Any], t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                with torch.enable_grad():
+                    t = Alias.apply(t)
+            passed.append((marker, t, t._version))
+            return t
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, Slot):
+                t = msg.tensors[x.index]
+                if x.requires_grad:
+                    t = t.requires_grad_(True)
+                task.leaves[(src, body["id"][1], x.index)] = t
+                return given(("slot", x.index), t)
+            if isinstance(x, Cached):
+                return given(("cached", x.leaf), task.leaves[x.leaf])
+            if isinstance(x, Ref):
+                return task.values[x.key]
+            return x
+
+        args, kwargs = map_structure(body["skeleton"], leaf)
+        with torch.set_grad_enabled(body["grad"]):
+            func = body["func"]
+            out = func(*args, **kwargs) if func is not None else self.run_local(body["path"], body["span"], args,
+                                                                                 kwargs)
+        changed = [(marker, t) for marker, t, version in passed if t._version != version]
+        if task.run_with == src:
+            task.run_with = None  # the caller holds its own baton again: it continues from our reply
+        eager = body["eager"]
+        data: list[torch.Tensor] = []
+        count = 0
+
+        def out_leaf(x: Any, send: bool = False) -> Any:
+            nonlocal count
+            x = ref_or_value(x, src)
+            if not isinstance(x, torch.Tensor):
+                return x
+            index, count = count, count + 1
+            key = (src, body["id"][1], index)  # named by the caller's call: it can know it before the reply
+            task.values[key] = x
+            rg = body["grad"] and x.requires_grad
+            slot = -1
+            if send or eager is None or index in eager:
+                data.append(x.detach())
+                slot = len(data) - 1
+                if rg:
+                    task.exported.add(key)
+            return Out(key, index, tuple(x.shape), tuple(x.stride()), x.dtype, rg, slot)
+
+        skeleton = map_structure(out, out_leaf)
+        # Inputs the module changed in place go back with their new values: the caller changes its
+        # own tensors the same way (Note [inputs changed in place]).
+        modified = [(marker, out_leaf(t, send=True)) for marker, t in changed]
+        self._end_run(task)  # a run we opened on a third rank
+        keep = body["open"] and not data and task.holding
+        self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
+                                                   "trail": task.trail, "modified": modified}, data)
+        if task.holding and not keep:
+            self._release(task)
+
+    def _handle_fetch(self, task: Task, msg: Message) -> None:
+        key = msg.body["key"]
+        value = task.values[key]
+        if msg.body["grad"] and value.requires_grad:
+            task.exported.add(key)
+        self._send(msg.src_pp, FETCH_REP, task.microbatch, {"id": msg.body["id"]}, [value.detach()])
+
+    def _handle_backward(self, task: Task, msg: Message) -> None:
+        body = msg.body
+        task.trail = body["trail"]
+        held = task.holding
+        if not held:
+            self._acquire(task, BACKWARD)
+        key = body["key"]
+        task.exported.discard(key)
+        # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
+        torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
+        grads = []
+        for leaf_id in body["deps"]:
+            leaf = task.leaves.get(tuple(leaf_id))
+            g = None if leaf is None else leaf.grad
+            if leaf is not None:
+                leaf.grad = None
+            grads.append(g)
+        self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": [g is not None for g in grads],
+                                                          "trail": task.trail}, [g for g in grads if g is not None])
+        if not held:
+            self._release(task)

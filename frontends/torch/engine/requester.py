@@ -1,0 +1,221 @@
+"""The requester side of the engine: a microbatch's calls into modules that another pipeline rank owns.
+
+A call becomes a forward request; the reply names the outputs the owner keeps (the caller gets a
+`RemoteTensor` for each) or carries their values. Reading a reference fetches its value as a
+`_Fetch` autograd node, whose backward sends the gradient to the owner and returns the gradients
+of what this microbatch had sent it. `Requester` is mixed into `Engine` (engine.py), which owns
+the baton, the messages and the step.
+"""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smp.errors import SMPError
+from smp.pipeline.baton import BACKWARD
+
+from .local import current_task
+from .refs import RemoteTensor
+from .task import Alias, Task, ref_or_value
+from .wire import BWD_REQ, FETCH, FWD_REQ, Cached, Out, Ref, Slot, map_structure
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class _Fetch(torch.autograd.Function):
+    """A value fetched from the rank that computed it, visible to autograd on the fetching rank.
+
+    Its inputs are the tensors this microbatch sent that rank so far (the value can depend only on
+    those); its backward sends the value's gradient to the owner, which backpropagates through its
+    kept graph and returns the gradients of those tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, info: dict[str, Any], anchor: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        ctx.info = info
+        ctx.set_materialize_grads(False)
+        value: torch.Tensor = info.pop("data")
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        info = ctx.info
+        if grad is None:
+            return (None, None, *[None] * len(info["deps"]))
+        engine: Engine = info["engine"]
+        return (None, None, *engine._backward_exchange(info, grad))
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def _info_task(info: dict[str, Any]) -> Task:
+    """The task a fetched value belongs to (held weakly: see Note [task lifetime])."""
+    task: Task | None = info["task"]()
+    if task is None:
+        raise SMPError(
+            f"backward reached an output of module {info['path']!r} (computed on pp_rank {info['owner']}) after "
+            "its @smp.step call ended; the pipeline runs a microbatch's backward only inside the step. Fix: call "
+            "model.backward(loss) inside the @smp.step function (outputs returned with detach_outputs=False cannot "
+            "be backpropagated through the pipeline afterwards)")
+    return task
+
+
+class Requester:
+    """The calling side of `Engine` (see the module docstring)."""
+
+    def remote_forward(self, owner: int, path: str, span: tuple[int, int] | None, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], func: Callable[..., Any] | None = None) -> Any:
+        """Call a module owned by pipeline rank ``owner`` from the current microbatch task (or, with
+        ``func``, run a torch function there on values it holds)."""
+        task = current_task()
+        assert task is not None
+        if task.run_with is not None and task.run_with != owner:
+            self._end_run(task)
+        grad = torch.is_grad_enabled()
+        skeleton, tensors = self._pack_args(task, owner, (args, kwargs), grad)  # may fetch (and settle)
+        task.calls += 1
+        call_key = (task.calls, path)
+        cid = (self.pp_rank, task.calls)
+        body = {"id": cid, "path": path, "span": span, "func": func, "skeleton": skeleton, "grad": grad,
+                "trail": task.trail,
+                "open": self.keep_remote and not task.backward_called,
+                "eager": None if not self.keep_remote else sorted(self.eager.get(call_key, ()))}
+        signature = None
+        if body["open"]:
+            try:
+                signature = pickle.dumps((path, span, func, skeleton, grad, body["eager"],
+                                          [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]))
+            except Exception:  # noqa: BLE001 - an argument that does not pickle is sent as before
+                signature = None
+        known = self.predicted.get(call_key)
+        if (signature is not None and known is not None and known[0] == signature and task.run_with == owner
+                and not task.holding):
+            # Note [calls that do not wait]: the owner holds this microbatch's open run, and this
+            # call sends what it sent on the last step: it replies as it did then (checked when the
+            # reply comes), so the caller goes on at once and the owner never waits for it.
+            body["ahead"] = True
+            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
+            task.ahead[cid] = known[1]
+            reply_body, reply_tensors = known[1], []
+        else:
+            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
+            if task.holding:
+                self._release(task)
+            reply = self._serve(task, until=cid, peer=owner)
+            task.trail = reply.body["trail"]
+            if reply.body["open"]:
+                task.run_with = owner
+            elif not task.holding:
+                self._acquire(task, self._kind(task))
+            reply_body, reply_tensors = reply.body, reply.tensors
+            if signature is not None and reply_body["open"] and not reply_tensors:
+                self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True})
+        ndeps = len(task.sent.get(owner, ()))
+        for marker, out in reply_body.get("modified", ()):
+            self._apply_change(task, owner, marker, tensors, out, reply_tensors[out.data], ndeps, path)
+        out_skeleton = reply_body["skeleton"]
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, Out):
+                if x.data >= 0:
+                    return self._fetched(task, owner, x.key, reply_tensors[x.data], x.requires_grad, ndeps, path)
+                return RemoteTensor(x.shape, x.stride, x.dtype, x.requires_grad, engine=self, task=task, owner=owner,
+                                    key=x.key, origin=(call_key, x.index), ndeps=ndeps, path=path)
+            if isinstance(x, Ref):
+                return task.values[x.key]
+            return x
+
+        return map_structure(out_skeleton, leaf)
+
+    def _apply_change(self, task: Task, owner: int, marker: tuple[str, Any], sent: list[torch.Tensor], out: Out,
+                      data: torch.Tensor, ndeps: int, path: str) -> None:
+        """Note [inputs changed in place]: the module on ``owner`` changed one of the tensors this call
+        sent it in place (``nn.ReLU(inplace=True)``); change ours the same way, as in one process.
+
+        Our tensor becomes the owner's new value (a fetch, so its gradient goes there); first every
+        record of it as sent to a rank is replaced by an alias of it as it was, so the gradients
+        those ranks return still reach its old history.
+        """
+        kind, ident = marker
+        if kind == "slot":
+            local = sent[ident]
+        else:
+            local = next(ref() for ref, _, _, leaf_id in task.cache.get(owner, {}).values() if leaf_id == tuple(ident))
+        value = self._fetched(task, owner, out.key, data, out.requires_grad, ndeps, path)
+        if local.requires_grad:
+            with torch.enable_grad():
+                old = Alias.apply(local)
+            for records in task.sent.values():
+                for i, (leaf_id, t) in enumerate(records):
+                    if t is local:
+                        records[i] = (leaf_id, old)
+        local.copy_(value)
+
+    def _pack_args(self, task: Task, dst: int, obj: Any, grad: bool) -> tuple[Any, list[torch.Tensor]]:
+        """The request's skeleton and tensors: references ``dst`` holds travel as `Ref`, a tensor sent
+        to ``dst`` before in this microbatch (unchanged) as `Cached`, the rest as data."""
+        tensors: list[torch.Tensor] = []
+        call_no = task.calls + 1
+        cache = task.cache.setdefault(dst, {})
+
+        def leaf(x: Any) -> Any:
+            x = ref_or_value(x, dst)
+            if not isinstance(x, torch.Tensor):
+                return x
+            need = grad and x.requires_grad
+            seen = cache.get(id(x))
+            if seen is not None and seen[0]() is x and seen[1:3] == (x._version, need):
+                return Cached(seen[3])
+            leaf_id = (self.pp_rank, call_no, len(tensors))
+            cache[id(x)] = (weakref.ref(x), x._version, need, leaf_id)
+            if need:
+                task.sent.setdefault(dst, []).append((leaf_id, x))
+            tensors.append(x)
+            return Slot(len(tensors) - 1, need)
+
+        return map_structure(obj, leaf), tensors
+
+    def _fetched(self, task: Task, owner: int, key: int, data: torch.Tensor, requires_grad: bool, ndeps: int,
+                 path: str) -> torch.Tensor:
+        """A value received from ``owner``, joined to this rank's graph when it carries a gradient."""
+        if not requires_grad:
+            return data
+        sent = task.sent.get(owner, [])[:ndeps]
+        info = {"engine": self, "task": weakref.ref(task), "owner": owner, "key": key, "path": path, "data": data,
+                "deps": [leaf_id for leaf_id, _ in sent]}
+        with torch.enable_grad():
+            out: torch.Tensor = _Fetch.apply(info, _ANCHOR, *[t for _, t in sent])
+        return out
+
+    def fetch(self, task: Task, ref: RemoteTensor) -> torch.Tensor:
+        """Bring a reference's value here (this microbatch does work on this rank from now on)."""
+        self.settle(task)
+        self._send(ref.owner, FETCH, task.microbatch, {"id": ("fetch", ref.key), "key": ref.key,
+                                                       "grad": ref.requires_grad})
+        reply = self._serve(task, until=("fetch", ref.key), peer=ref.owner)
+        call_key, index = ref.origin
+        if call_key[0] == task.calls:  # read before any other call: ask for it with the reply next time
+            self.eager.setdefault(call_key, set()).add(index)
+        return self._fetched(task, ref.owner, ref.key, reply.tensors[0], ref.requires_grad, ref.ndeps, ref.path)
+
+    def _backward_exchange(self, info: dict[str, Any], grad: torch.Tensor) -> list[torch.Tensor | None]:
+        task = _info_task(info)
+        owner = info["owner"]
+        bid = ("backward", info["key"])
+        self._send(owner, BWD_REQ, task.microbatch, {"id": bid, "key": info["key"], "deps": info["deps"],
+                                                     "trail": task.trail}, [grad])
+        if task.holding:
+            self._release(task)
+        reply = self._serve(task, until=bid, peer=owner)
+        task.trail = reply.body["trail"]
+        if not task.holding:
+            self._acquire(task, BACKWARD)
+        it = iter(reply.tensors)
+        return [next(it) if m else None for m in reply.body["mask"]]
