@@ -12,7 +12,7 @@ from __future__ import annotations
 import pickle
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,9 +23,6 @@ from .local import current_task
 from .refs import RemoteTensor
 from .task import Alias, Task, ref_or_value
 from .wire import BWD_REQ, FETCH, FWD_REQ, Cached, Out, Ref, Slot, map_structure
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class _Fetch(torch.autograd.Function):
@@ -48,8 +45,7 @@ class _Fetch(torch.autograd.Function):
         info = ctx.info
         if grad is None:
             return (None, None, *[None] * len(info["deps"]))
-        engine: Engine = info["engine"]
-        return (None, None, *engine._backward_exchange(info, grad))
+        return (None, None, *info["engine"]._backward_exchange(info, grad))
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .refs import RemoteTensor
 from .wire import Message, Ref
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 LeafId = tuple[int, int, int]  # (sender pp_rank, sender's call number, slot): a tensor a rank received
 
@@ -26,7 +23,7 @@ LeafId = tuple[int, int, int]  # (sender pp_rank, sender's call number, slot): a
 class Task:
     """A microbatch's thread of control on this rank."""
 
-    engine: Engine
+    engine: Any  # the Engine (engine.py) running it
     microbatch: int
     inbox: queue.SimpleQueue[Message] = field(default_factory=queue.SimpleQueue)
     calls: int = 0
