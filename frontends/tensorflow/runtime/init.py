@@ -36,6 +36,7 @@ from mpi4py import MPI
 import smp.state as smp_state
 from smp.config import Config, resolve
 from smp.errors import LaunchError, NotInitializedError
+from smp.runtime.flags import env_flag
 from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
@@ -311,15 +312,10 @@ def overlap_requested() -> bool:
     Raises:
         LaunchError: any other value.
     """
-    value = os.environ.get(OVERLAP_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value:
-        raise LaunchError(f"{OVERLAP_ENV}={value!r} is not understood. Fix: {OVERLAP_ENV}=1 (microbatches overlap "
-                          f"in the scheduler's order), {OVERLAP_ENV}=0 (lockstep), or leave it unset (overlap when "
-                          "each rank is bound to its own cores)")
+    forced = env_flag(OVERLAP_ENV, "1: microbatches overlap in the scheduler's order, 0: lockstep; unset: overlap "
+                              "when each rank is bound to its own cores")
+    if forced is not None:
+        return forced
     if not hasattr(os, "sched_getaffinity"):
         return False
     return len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)

@@ -47,6 +47,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from smp.runtime.flags import env_flag
+
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mappings import gather_from_tp, scatter_to_tp
 from .params import mark_tp_sharded
@@ -57,9 +59,9 @@ __all__ = ["DISABLE_ENV", "BackendChoice", "select_backend", "backend", "te_modu
 logger = logging.getLogger("smp")
 
 DISABLE_ENV = "SMP_DISABLE_TE"
-"""Environment variable: ``1`` / ``true`` / ``yes`` / ``on`` turns the TE backend off."""
+"""Environment variable: ``1`` / ``true`` / ``yes`` / ``on`` turns the TE backend off; a value that is
+neither on nor off is a `LaunchError` (smp.runtime.flags)."""
 
-_TRUE = {"1", "true", "yes", "on"}
 # Kept across smp.reset(), as the import cache of `_import_te` is: both describe the process
 # (what imports, which reasons were already logged), never a script's setting or a model.
 _logged: set[str] = set()
@@ -89,8 +91,7 @@ def te_module() -> ModuleType | None:
 def _forced_off(enabled: bool | None) -> str:
     if enabled is False:
         return "Transformer Engine disabled by the caller (enabled=False)"
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value in _TRUE:
+    if env_flag(DISABLE_ENV, "1 runs TP linears on torch even where Transformer Engine imports"):
         return f"Transformer Engine disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     return ""
 

@@ -109,6 +109,15 @@ def test_env_values_that_do_not_disable(monkeypatch: pytest.MonkeyPatch, value: 
     assert te_backend.backend("cuda") == "te"
 
 
+def test_env_value_neither_on_nor_off_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smp.errors import LaunchError
+
+    _cuda(monkeypatch, True)
+    monkeypatch.setenv(te_backend.DISABLE_ENV, "maybe")
+    with pytest.raises(LaunchError, match=r"SMP_DISABLE_TE='maybe' is not understood\. Fix: SMP_DISABLE_TE=1"):
+        te_backend.select_backend("cuda")
+
+
 def test_forced_off_by_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_te(monkeypatch)
     _cuda(monkeypatch, True)
