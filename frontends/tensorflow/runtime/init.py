@@ -312,8 +312,8 @@ def overlap_requested() -> bool:
     Raises:
         LaunchError: any other value.
     """
-    forced = env_flag(OVERLAP_ENV, "1: microbatches overlap in the scheduler's order, 0: lockstep; unset: overlap "
-                              "when each rank is bound to its own cores")
+    forced = env_flag(OVERLAP_ENV, "1: microbatches overlap in the scheduler's order, 0: lockstep (unset: overlap "
+                              "when each rank is bound to its own cores)")
     if forced is not None:
         return forced
     if not hasattr(os, "sched_getaffinity"):

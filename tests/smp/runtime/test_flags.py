@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from smp.errors import LaunchError
+from smp.runtime import flags
 from smp.runtime.flags import env_flag
 
 
@@ -31,3 +34,8 @@ def test_other_values_name_the_variable_and_the_fix() -> None:
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMP_X", "yes")
     assert env_flag("SMP_X") is True
+
+
+def test_docstring_example() -> None:
+    result = doctest.testmod(flags)
+    assert result.attempted > 0 and result.failed == 0
