@@ -63,6 +63,7 @@ from .wire import (
     END_RUN,
     ERROR,
     FETCH,
+    FWD_BATCH,
     FWD_REP,
     FWD_REQ,
     MB_END,
@@ -194,11 +195,22 @@ class Engine(Requester, Owner):
         return BACKWARD if task.backward_called else FORWARD
 
     def _end_run(self, task: Task) -> None:
-        """Close the peer's open action for this microbatch (its next work is not a call to it)."""
-        if task.ahead:
-            self._serve(task, until="ahead")  # the replies of calls sent without waiting, checked
+        """Close the peer's open action for this microbatch (its next work is not a call to it).
+
+        Calls sent without waiting are first acknowledged by their owner (Note [calls that do not
+        wait]): it processes messages in order, so the acknowledgement comes after any reply that
+        differed from the expected one, which `_serve` turns into an error.
+        """
+        for owner in sorted({o for o, _ in task.ahead.values()}):
+            close = task.run_with == owner
+            if close:
+                task.run_with = None
+            ack = ("ack", owner, task.calls)
+            self._send(owner, END_RUN, task.microbatch, {"close": close, "ack": ack})
+            self._serve(task, until=ack, peer=owner)
+            task.ahead = {cid: v for cid, v in task.ahead.items() if v[0] != owner}
         if task.run_with is not None:
-            self._send(task.run_with, END_RUN, task.microbatch, None)
+            self._send(task.run_with, END_RUN, task.microbatch, {"close": True, "ack": None})
             task.run_with = None
 
     def settle(self, task: Task) -> None:
@@ -232,10 +244,15 @@ class Engine(Requester, Owner):
         return self.light
 
     def _send(self, pp_dst: int, kind: int, mb: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+        task = current_task()
+        if task is not None and task.outbox:
+            self._flush(task)  # queued calls go first: a peer sees one microbatch's messages in order
         self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors))
 
     def _serve(self, task: Task, until: Any, peer: int | None = None) -> Message:
         """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
+        if task.outbox:
+            self._flush(task)
         while True:
             try:
                 msg = task.inbox.get(timeout=self.timeout_s)
@@ -247,7 +264,7 @@ class Engine(Requester, Owner):
                 raise failure.timeout_error(what + "a pipeline message", self._peer_ranks(), self.timeout_s) from None
             kind = msg.kind
             if kind == FWD_REP and msg.body["id"] in task.ahead:
-                expected = task.ahead.pop(msg.body["id"])
+                _, expected = task.ahead.pop(msg.body["id"])
                 if msg.body.get("modified"):
                     raise SMPError(
                         f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} changed one of its inputs "
@@ -260,8 +277,6 @@ class Engine(Requester, Owner):
                         f"shapes or structure than on the last step for the same arguments (call {msg.body['id']}); "
                         "smp sent that call without waiting for its reply. Fix: set \"fast_mode\": False in the "
                         "config for models whose module outputs change shape with the values of their inputs")
-                if until == "ahead" and not task.ahead:
-                    return msg
                 continue
             if kind in REPLIES:
                 if until is None or msg.body["id"] != until:
@@ -274,11 +289,21 @@ class Engine(Requester, Owner):
                     self._handle_forward(task, msg)
                 else:
                     self._handle_backward(task, msg)
+            elif kind == FWD_BATCH:
+                if task.run_with == msg.src_pp:
+                    task.run_with = None
+                at = 0
+                for body, count in msg.body:
+                    self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
+                                                       msg.tensors[at:at + count], msg.src_pp))
+                    at += count
             elif kind == FETCH:
                 self._handle_fetch(task, msg)
             elif kind == END_RUN:
-                if task.holding:
+                if msg.body["close"] and task.holding:
                     self._release(task)
+                if msg.body["ack"] is not None:  # every call before it ran as the caller expected
+                    self._send(msg.src_pp, FWD_REP, task.microbatch, {"id": msg.body["ack"]})
             elif kind == MB_END:
                 task.free()
             elif kind == DONE:

@@ -10,6 +10,7 @@ the baton, the messages and the step.
 from __future__ import annotations
 
 import pickle
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from smp.pipeline.baton import BACKWARD
 from .local import current_task
 from .refs import RemoteTensor
 from .task import Alias, Task, ref_or_value
-from .wire import BWD_REQ, FETCH, FWD_REQ, Cached, Out, Ref, Slot, map_structure
+from .wire import BWD_REQ, FETCH, FWD_BATCH, FWD_REQ, Cached, Out, Ref, Slot, map_structure
 
 
 class _Fetch(torch.autograd.Function):
@@ -49,6 +50,9 @@ class _Fetch(torch.autograd.Function):
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)
+# Calls sent without waiting are queued at most this long (s) and this many before they leave.
+_BATCH_S = 0.002
+_BATCH_MAX = 64
 
 
 def _info_task(info: dict[str, Any]) -> Task:
@@ -94,11 +98,22 @@ class Requester:
         if (signature is not None and known is not None and known[0] == signature and task.run_with == owner
                 and not task.holding):
             # Note [calls that do not wait]: the owner holds this microbatch's open run, and this
-            # call sends what it sent on the last step: it replies as it did then (checked when the
-            # reply comes), so the caller goes on at once and the owner never waits for it.
+            # call sends what it sent on the last step, so it should reply as it did then: the
+            # caller goes on at once with that reply, and the owner never waits for it. The request
+            # carries the expected reply; the owner sends a reply only when its own differs (the
+            # caller then fails with the difference), and one acknowledgement for all of them when
+            # the run ends (`Engine._end_run`): one message per run back instead of one per call.
+            # Such calls also leave together: queued until this task sends or waits for anything
+            # else, or the first has waited _BATCH_S (a loop of layers on one rank: one message).
             body["ahead"] = True
-            self._send(owner, FWD_REQ, task.microbatch, body, tensors)
-            task.ahead[cid] = known[1]
+            body["expect"] = known[1]["skeleton"]
+            task.ahead[cid] = (owner, known[1])
+            task.outbox.append((owner, body, tensors))
+            now = time.perf_counter()
+            if len(task.outbox) == 1:
+                task.outbox_since = now
+            elif now - task.outbox_since > _BATCH_S or len(task.outbox) >= _BATCH_MAX:
+                self._flush(task)
             reply_body, reply_tensors = known[1], []
         else:
             self._send(owner, FWD_REQ, task.microbatch, body, tensors)
@@ -129,6 +144,18 @@ class Requester:
             return x
 
         return map_structure(out_skeleton, leaf)
+
+    def _flush(self, task: Task) -> None:
+        """Send the task's queued calls (Note [calls that do not wait]), one message per owner."""
+        batch, task.outbox = task.outbox, []
+        for owner in dict.fromkeys(o for o, _, _ in batch):
+            calls = [(body, tensors) for o, body, tensors in batch if o == owner]
+            if len(calls) == 1:
+                self.transport.send(self.pp_ranks[owner], FWD_REQ, task.microbatch, calls[0][0], calls[0][1])
+            else:
+                self.transport.send(self.pp_ranks[owner], FWD_BATCH, task.microbatch,
+                                    [(body, len(tensors)) for body, tensors in calls],
+                                    [t for _, tensors in calls for t in tensors])
 
     def _apply_change(self, task: Task, owner: int, marker: tuple[str, Any], sent: list[torch.Tensor], out: Out,
                       data: torch.Tensor, ndeps: int, path: str) -> None:

@@ -42,8 +42,12 @@ class Task:
     values: dict[Any, torch.Tensor] = field(default_factory=dict)
     leaves: dict[LeafId, torch.Tensor] = field(default_factory=dict)
     exported: set[Any] = field(default_factory=set)
-    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> the reply expected.
-    ahead: dict[Any, dict[str, Any]] = field(default_factory=dict)
+    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> (owner, the reply expected).
+    ahead: dict[Any, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    # ... and those not sent yet ((owner, body, tensors)), with when the first was queued: they leave
+    # together in one message (`Engine._flush`).
+    outbox: list[tuple[int, dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)
+    outbox_since: float = 0.0
     # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
     # order, and every tensor sent (id -> (weakref, version, needs grad, LeafId)) so a repeat travels as `Cached`.
     sent: dict[int, list[tuple[LeafId, torch.Tensor]]] = field(default_factory=dict)

@@ -29,9 +29,10 @@ from ..runtime.failure import wait
 
 # Message kinds: forward request/reply, backward request/reply, error, done (the leader's results for
 # the followers), stop (end of a rank's sending), dynamic (a peer fell back to the dynamic rule), end
-# of a task (local only), fetch request/reply, end of an open run, end of a microbatch.
+# of a task (local only), fetch request/reply, end of an open run, end of a microbatch, several
+# forward requests sent without waiting, in one message.
 (FWD_REQ, FWD_REP, BWD_REQ, BWD_REP, ERROR, DONE, STOP, DYNAMIC, TASK_END, FETCH, FETCH_REP, END_RUN,
- MB_END) = range(1, 14)
+ MB_END, FWD_BATCH) = range(1, 15)
 REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 
 TAG = 0x51D
