@@ -183,13 +183,20 @@ class Engine(Requester, Owner):
         assert self.baton is not None
         task.holding = False
         ev = self._open.pop(task.microbatch, None)
-        if ev is not None:
+        if ev is not None and not ev.end:
             ev.end = time.time()
         if task.in_light:
             task.in_light = False
             self.baton.release_light(finished_mb=task.microbatch if finished else None)
             return
         self.baton.release(finished=finished)
+
+    def _ends(self, task: Task) -> None:
+        """Mark the end of the task's current action before its last message leaves (the release
+        follows): the peer may act on that message, and finish, before this thread runs again."""
+        ev = self._open.get(task.microbatch)
+        if ev is not None:
+            ev.end = time.time()
 
     def _kind(self, task: Task) -> str:
         return BACKWARD if task.backward_called else FORWARD

@@ -88,6 +88,8 @@ class Owner:
         keep = body["open"] and not data and task.holding
         # A call sent without waiting whose reply is the one the caller expects needs none
         # (Note [calls that do not wait]): the run's end acknowledges it.
+        if task.holding and not keep:
+            self._ends(task)
         if not (body.get("ahead") and keep and not modified and skeleton == body["expect"]):
             self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
                                                        "trail": task.trail, "modified": modified}, data)
@@ -118,6 +120,8 @@ class Owner:
             if leaf is not None:
                 leaf.grad = None
             grads.append(g)
+        if not held:
+            self._ends(task)
         self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": [g is not None for g in grads],
                                                           "trail": task.trail}, [g for g in grads if g is not None])
         if not held:
