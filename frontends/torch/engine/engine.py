@@ -289,21 +289,19 @@ class Engine(Requester, Owner):
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
                 return msg
-            if kind == FWD_REQ or kind == BWD_REQ:
+            if kind == FWD_REQ or kind == BWD_REQ or kind == FWD_BATCH:
                 if task.run_with == msg.src_pp:
                     task.run_with = None  # the peer released its baton to send us this request
                 if kind == FWD_REQ:
                     self._handle_forward(task, msg)
-                else:
+                elif kind == BWD_REQ:
                     self._handle_backward(task, msg)
-            elif kind == FWD_BATCH:
-                if task.run_with == msg.src_pp:
-                    task.run_with = None
-                at = 0
-                for body, count in msg.body:
-                    self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
-                                                       msg.tensors[at:at + count], msg.src_pp))
-                    at += count
+                else:
+                    at = 0
+                    for body, count in msg.body:
+                        self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
+                                                           msg.tensors[at:at + count], msg.src_pp))
+                        at += count
             elif kind == FETCH:
                 self._handle_fetch(task, msg)
             elif kind == END_RUN:

@@ -86,10 +86,10 @@ class Owner:
         modified = [(marker, out_leaf(t, send=True)) for marker, t in changed]
         self._end_run(task)  # a run we opened on a third rank
         keep = body["open"] and not data and task.holding
-        # A call sent without waiting whose reply is the one the caller expects needs none
-        # (Note [calls that do not wait]): the run's end acknowledges it.
         if task.holding and not keep:
             self._ends(task)
+        # A call sent without waiting whose reply is the one the caller expects needs none
+        # (Note [calls that do not wait]): the run's end acknowledges it.
         if not (body.get("ahead") and keep and not modified and skeleton == body["expect"]):
             self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
                                                        "trail": task.trail, "modified": modified}, data)

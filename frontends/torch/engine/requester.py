@@ -146,16 +146,19 @@ class Requester:
         return map_structure(out_skeleton, leaf)
 
     def _flush(self, task: Task) -> None:
-        """Send the task's queued calls (Note [calls that do not wait]), one message per owner."""
+        """Send the task's queued calls (Note [calls that do not wait]) as one message.
+
+        They all go to the owner of the open run: a call to another rank ends the run first
+        (`Engine._end_run` sends, and every send flushes).
+        """
         batch, task.outbox = task.outbox, []
-        for owner in dict.fromkeys(o for o, _, _ in batch):
-            calls = [(body, tensors) for o, body, tensors in batch if o == owner]
-            if len(calls) == 1:
-                self.transport.send(self.pp_ranks[owner], FWD_REQ, task.microbatch, calls[0][0], calls[0][1])
-            else:
-                self.transport.send(self.pp_ranks[owner], FWD_BATCH, task.microbatch,
-                                    [(body, len(tensors)) for body, tensors in calls],
-                                    [t for _, tensors in calls for t in tensors])
+        owner = batch[0][0]
+        if len(batch) == 1:
+            self.transport.send(self.pp_ranks[owner], FWD_REQ, task.microbatch, batch[0][1], batch[0][2])
+        else:
+            self.transport.send(self.pp_ranks[owner], FWD_BATCH, task.microbatch,
+                                [(body, len(tensors)) for _, body, tensors in batch],
+                                [t for _, _, tensors in batch for t in tensors])
 
     def _apply_change(self, task: Task, owner: int, marker: tuple[str, Any], sent: list[torch.Tensor], out: Out,
                       data: torch.Tensor, ndeps: int, path: str) -> None:

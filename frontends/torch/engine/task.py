@@ -44,8 +44,8 @@ class Task:
     exported: set[Any] = field(default_factory=set)
     # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> (owner, the reply expected).
     ahead: dict[Any, tuple[int, dict[str, Any]]] = field(default_factory=dict)
-    # ... and those not sent yet ((owner, body, tensors)), with when the first was queued: they leave
-    # together in one message (`Engine._flush`).
+    # ... and those not sent yet ((owner, body, tensors); one owner, the open run's), with when the
+    # first was queued: they leave together in one message (`Requester._flush`).
     outbox: list[tuple[int, dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)
     outbox_since: float = 0.0
     # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
