@@ -1,17 +1,21 @@
 """Messages between pipeline ranks: a kind, a picklable skeleton, and the tensors sent raw.
 
-A message starts with one fixed-size frame (`FRAME` bytes): a header (int64 x 5: kind, skeleton
-bytes, tensor count, microbatch, tensors inline), the pickled skeleton (the structure with every
-tensor replaced by a `Slot`) and, while they fit, the leading tensors' bytes. What does not fit
-follows as parts of its own: the skeleton, then each remaining tensor as is. A small message (a
-request whose arguments are references, a reply with metadata, a scalar) is one send.
+A message is at most two gloo sends. It starts with one fixed-size frame (`FRAME` bytes): a header
+(int64 x 6: kind, skeleton bytes, tensor count, microbatch, which tensors are in the frame,
+payload bytes), the pickled skeleton (the structure with every tensor replaced by a `Slot`) and
+the bytes of each tensor that still fits. What does not fit follows as one payload: the skeleton,
+then the remaining tensors back to back (a lone tensor is sent and received in place). A small
+message (a request whose arguments are references, a reply with metadata, a scalar) is one send.
+Sends are what costs on a busy rank (each wakes the peer's gloo I/O thread beside its compute:
+`benchmarks/bench_pipeline.py --model threads`), so a message never costs more than two.
 One receiver thread per rank takes messages from any pipeline peer (gloo receive-from-any on the
-engine's own process group and tag) and queues them; senders hold a per-destination lock so the
+engine's own process group and tag) and queues them; senders hold the transport's lock so the
 parts of two messages never interleave.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import queue
 import struct
@@ -36,9 +40,10 @@ from ..runtime.failure import wait
 REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 
 TAG = 0x51D
-HEADER = 5
+_HEAD = "<6q"  # kind, skeleton bytes, tensor count, microbatch, in-frame tensor mask, payload bytes
 FRAME = 8192  # bytes: one gloo message carries a small message whole
-_HEAD_BYTES = HEADER * 8
+_HEAD_BYTES = struct.calcsize(_HEAD)
+_MASK_BITS = 63
 
 
 @dataclass(frozen=True)
@@ -141,37 +146,42 @@ class Transport:
     def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Post a message to ``dst`` without waiting for it to leave, so compute goes on meanwhile.
 
-        The parts are posted with ``isend`` in order (one peer's messages arrive in the order sent);
-        the handles and tensors are kept until `stop`. The tensors must not be changed in place
-        afterwards (the engine sends detached outputs and gradients, which nobody touches).
+        A message is at most two gloo sends: the frame, then one payload part with whatever did not
+        fit (the skeleton, then the remaining tensors back to back; a lone tensor is sent as is).
+        Every send costs the peer's gloo I/O thread CPU time beside its compute, so the count matters
+        more than the bytes. The parts are posted with ``isend`` in order (one peer's messages arrive
+        in the order sent); the handles and tensors are kept until `flush`. The tensors must not be
+        changed in place afterwards (the engine sends detached outputs and gradients, which nobody
+        touches).
         """
         specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
         raw = pickle.dumps((body, specs), protocol=pickle.HIGHEST_PROTOCOL)
-        data = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        data = [t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.detach().new_empty(0, dtype=torch.uint8)
+                for t in tensors]  # reshape copies only a non-contiguous tensor
         frame = bytearray(FRAME)
         at = _HEAD_BYTES
-        inline = 0
+        mask = 0  # bit i: tensor i travels in the frame
         rest: list[torch.Tensor] = []
         if at + len(raw) <= FRAME:
             frame[at:at + len(raw)] = raw
             at += len(raw)
-            for t in data:
-                n = t.numel() * t.element_size()
-                if not rest and at + n <= FRAME:  # only leading tensors go inline
-                    if n:
-                        frame[at:at + n] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            for i, t in enumerate(data):
+                n = t.numel()
+                if i < _MASK_BITS and at + n <= FRAME:
+                    frame[at:at + n] = t.numpy().tobytes()
                     at += n
-                    inline += 1
-                else:
+                    mask |= 1 << i
+                elif n:
                     rest.append(t)
         else:
-            rest = [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *data]
-        frame[:_HEAD_BYTES] = struct.pack("<5q", kind, len(raw), len(tensors), microbatch, inline)
-        parts = [torch.frombuffer(frame, dtype=torch.uint8), *rest]
+            rest = [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *(t for t in data if t.numel())]
+        payload = rest[0] if len(rest) == 1 else torch.cat(rest) if rest else None
+        size = 0 if payload is None else payload.numel()
+        frame[:_HEAD_BYTES] = struct.pack(_HEAD, kind, len(raw), len(tensors), microbatch, mask, size)
+        parts = [torch.frombuffer(frame, dtype=torch.uint8)] + ([payload] if payload is not None else [])
         with self._lock:
             for t in parts:
-                if t.numel():
-                    self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
+                self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
 
     def flush(self, timeout: float) -> None:
         """Wait until every posted message left."""
@@ -181,34 +191,51 @@ class Transport:
             wait(work, "pipeline send", "peer", timeout, p2p=True)
 
     def _receive_one(self) -> Message:
+        """The next message from any peer: its frame, then its payload (if any) from the same peer."""
         frame = torch.empty(FRAME, dtype=torch.uint8)
         src = dist.recv(frame, None, group=self.group, tag=TAG)
         buf = frame.numpy().tobytes()
-        kind, nbytes, ntensors, microbatch, inline = struct.unpack_from("<5q", buf)
+        kind, nbytes, ntensors, microbatch, mask, size = struct.unpack_from(_HEAD, buf)
         at = _HEAD_BYTES
-        if inline or at + nbytes <= FRAME:
-            raw = buf[at:at + nbytes]
+        payload = torch.empty(0, dtype=torch.uint8)
+        off = 0
+        lone = -1  # the one tensor the payload holds, received straight into its own memory
+        tensors: list[torch.Tensor | None] = []
+        if at + nbytes <= FRAME:
+            body, specs = pickle.loads(buf[at:at + nbytes])
             at += nbytes
+            tensors = [None] * len(specs)
+            if size:
+                outside = [i for i, (shape, _) in enumerate(specs) if not mask >> i & 1 and math.prod(shape)]
+                if len(outside) == 1:
+                    lone = outside[0]
+                    shape, code = specs[lone]
+                    t = torch.empty(shape, dtype=_DTYPES[code])
+                    tensors[lone] = t
+                    payload = t.reshape(-1).view(torch.uint8)
+                else:
+                    payload = torch.empty(size, dtype=torch.uint8)
+                dist.recv(payload, src, group=self.group, tag=TAG)
         else:
-            payload = torch.empty(nbytes, dtype=torch.uint8)
+            payload = torch.empty(size, dtype=torch.uint8)
             dist.recv(payload, src, group=self.group, tag=TAG)
-            raw = payload.numpy().tobytes()
-        body, specs = pickle.loads(raw)
-        tensors = []
+            body, specs = pickle.loads(payload[:nbytes].numpy().tobytes())
+            off = nbytes
+            tensors = [None] * len(specs)
         for i, (shape, code) in enumerate(specs[:ntensors]):
-            dtype = _DTYPES[code]
-            if i < inline:
-                t = torch.empty(shape, dtype=dtype)
-                n = t.numel() * t.element_size()
-                if n:
+            if i == lone:
+                continue
+            t = torch.empty(shape, dtype=_DTYPES[code])
+            n = t.numel() * t.element_size()
+            if n:
+                if mask >> i & 1:
                     t.reshape(-1).view(torch.uint8).copy_(frame[at:at + n])
-                at += n
-            else:
-                t = torch.empty(shape, dtype=dtype)
-                if t.numel():
-                    dist.recv(t, src, group=self.group, tag=TAG)
-            tensors.append(t)
-        return Message(kind, src, microbatch, body, tensors)
+                    at += n
+                else:
+                    t.reshape(-1).view(torch.uint8).copy_(payload[off:off + n])
+                    off += n
+            tensors[i] = t
+        return Message(kind, src, microbatch, body, tensors)  # type: ignore[arg-type]
 
     def start(self, stop_kind: int, route: Callable[[Message], bool] | None = None) -> None:
         """Start the receiver (it ends after one ``stop_kind`` message from every peer).
