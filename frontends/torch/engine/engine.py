@@ -206,7 +206,9 @@ class Engine(Requester, Owner):
 
         Calls sent without waiting are first acknowledged by their owner (Note [calls that do not
         wait]): it processes messages in order, so the acknowledgement comes after any reply that
-        differed from the expected one, which `_serve` turns into an error.
+        differed from the expected one, which `_serve` turns into an error. Any reply from that
+        owner to a later request acknowledges them as well (`_serve`), so a run that ends with a
+        call that waits (a loss whose value comes back) needs no acknowledgement of its own.
         """
         for owner in sorted({o for o, _ in task.ahead.values()}):
             close = task.run_with == owner
@@ -288,6 +290,8 @@ class Engine(Requester, Owner):
             if kind in REPLIES:
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
+                if task.ahead:  # the peer handled every call we sent it before this request, as expected
+                    task.ahead = {cid: v for cid, v in task.ahead.items() if v[0] != msg.src_pp}
                 return msg
             if kind == FWD_REQ or kind == BWD_REQ or kind == FWD_BATCH:
                 if task.run_with == msg.src_pp:

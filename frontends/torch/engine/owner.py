@@ -89,7 +89,7 @@ class Owner:
         if task.holding and not keep:
             self._ends(task)
         # A call sent without waiting whose reply is the one the caller expects needs none
-        # (Note [calls that do not wait]): the run's end acknowledges it.
+        # (Note [calls that do not wait]): our next reply to the caller, or the run's end, acknowledges it.
         if not (body.get("ahead") and keep and not modified and skeleton == body["expect"]):
             self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
                                                        "trail": task.trail, "modified": modified}, data)

@@ -101,8 +101,9 @@ class Requester:
             # call sends what it sent on the last step, so it should reply as it did then: the
             # caller goes on at once with that reply, and the owner never waits for it. The request
             # carries the expected reply; the owner sends a reply only when its own differs (the
-            # caller then fails with the difference), and one acknowledgement for all of them when
-            # the run ends (`Engine._end_run`): one message per run back instead of one per call.
+            # caller then fails with the difference). Its reply to any later request, or one
+            # acknowledgement when the run ends (`Engine._end_run`), confirms all of them: at most
+            # one message per run back instead of one per call.
             # Such calls also leave together: queued until this task sends or waits for anything
             # else, or the first has waited _BATCH_S (a loop of layers on one rank: one message).
             body["ahead"] = True
@@ -121,9 +122,8 @@ class Requester:
                 self._release(task)
             reply = self._serve(task, until=cid, peer=owner)
             task.trail = reply.body["trail"]
-            if reply.body["open"]:
-                task.run_with = owner
-            elif not task.holding:
+            task.run_with = owner if reply.body["open"] else None  # not open: the owner closed its run
+            if task.run_with is None and not task.holding:
                 self._acquire(task, self._kind(task))
             reply_body, reply_tensors = reply.body, reply.tensors
             if signature is not None and reply_body["open"] and not reply_tensors:
