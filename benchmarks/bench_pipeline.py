@@ -146,6 +146,78 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[Any, torch.Tensor], t
 SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual", "auto"), "hf-llama": ("manual", "auto")}
 
 
+# --- where a rank's CPU goes (``--model threads``) -------------------------------------------------------
+
+
+class _Probe:
+    """Per step: the process's CPU (every thread, ended ones included), the CPU of gloo's TCP I/O
+    thread, involuntary context switches, minor page faults (fresh memory the kernel zeroes), and
+    the point-to-point sends and bytes this rank posts.
+
+    Per-thread CPU is the kernel's per-thread clock (``clock_gettime`` on the thread's CPU clock id,
+    nanoseconds); sends are counted by wrapping ``torch.distributed.isend`` and ``send``, the calls
+    both engines post every message part through (torch's P2P ops and smp's transport).
+    """
+
+    def __init__(self) -> None:
+        import resource
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self._resource = resource
+        self.sends = self.bytes = 0
+        for name in ("isend", "send"):
+            counted = self._counting(getattr(c10d, name))
+            setattr(dist, name, counted)  # one object under both names: P2POp checks `op is isend`
+            setattr(c10d, name, counted)
+        self.total: dict[str, float] = {"cpu": 0.0, "io": 0.0, "nivcsw": 0.0, "minflt": 0.0, "sends": 0.0, "kb": 0.0}
+        self.steps = 0
+
+    def _counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(fn, "_probe", False):
+            return fn
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.sends += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            return fn(tensor, *args, **kwargs)
+
+        counted._probe = True  # type: ignore[attr-defined]
+        return counted
+
+    @staticmethod
+    def _io_cpu() -> float:
+        """Seconds of CPU of the threads named ``gloo*`` (gloo's TCP loop)."""
+        total = 0.0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if not f.read().startswith("gloo"):
+                        continue
+                total += time.clock_gettime((~int(tid) << 3) | 6)  # the thread's CPU clock (CPUCLOCK_SCHED)
+            except OSError:
+                continue
+        return total
+
+    def _now(self) -> dict[str, float]:
+        r = self._resource.getrusage(self._resource.RUSAGE_SELF)
+        return {"cpu": r.ru_utime + r.ru_stime, "io": self._io_cpu(), "nivcsw": r.ru_nivcsw, "minflt": r.ru_minflt,
+                "sends": self.sends, "kb": self.bytes / 1024}
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> None:
+        now = self._now()
+        for k in self.total:
+            self.total[k] += now[k] - self._at[k]
+        self.steps += 1
+
+    def per_step(self) -> dict[str, float]:
+        return {k: v / max(self.steps, 1) for k, v in self.total.items()}
+
+
 # --- one process, torch, smp ---------------------------------------------------------------------------
 
 
@@ -187,7 +259,7 @@ def stage_times(name: str, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def theirs(name: str, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
+def theirs(name: str, schedule: str, steps: int, warmup: int, probe: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -201,9 +273,12 @@ def theirs(name: str, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     sched = cls(stage, n_microbatches=M, loss_fn=lm_loss)
+    probes = _Probe() if probe else None
     times = []
-    for x, y in _data(steps + warmup):
+    for step, (x, y) in enumerate(_data(steps + warmup)):
         dist.barrier()
+        if probes and step >= warmup:
+            probes.start()
         start = time.perf_counter()
         part.zero_grad()
         if rank == 0:
@@ -211,7 +286,9 @@ def theirs(name: str, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
         else:
             sched.step(target=y, losses=[])
         times.append(time.perf_counter() - start)
-    return {"times": times[warmup:]}
+        if probes and step >= warmup:
+            probes.stop()
+    return {"times": times[warmup:], "probe": probes.per_step() if probes else None}
 
 
 def _on_rank1(assignment: dict[str, int]) -> str:
@@ -231,7 +308,7 @@ def _on_rank1(assignment: dict[str, int]) -> str:
     return ", ".join(out) or "-"
 
 
-def ours(name: str, schedule: str, cut: str, steps: int, warmup: int) -> dict[str, Any]:
+def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: bool = False) -> dict[str, Any]:
     import smp.torch as smp
 
     build, logits, _, manual, _ = MODELS[name]
@@ -256,15 +333,21 @@ def ours(name: str, schedule: str, cut: str, steps: int, warmup: int) -> dict[st
         model.backward(loss)
         return loss
 
+    probes = _Probe() if probe else None
     times = []
-    for x, y in _data(steps + warmup):
+    for step, (x, y) in enumerate(_data(steps + warmup)):
         smp.barrier()
+        if probes and step >= warmup:
+            probes.start()
         start = time.perf_counter()
         model.zero_grad()
         train_step(model, x, y)
         times.append(time.perf_counter() - start)
+        if probes and step >= warmup:
+            probes.stop()
     chain = next(iter(model.plans.values())).chain if model.plans else []
-    return {"times": times[warmup:], "chain": list(chain), "rank1": _on_rank1(model.partition_assignment)}
+    return {"times": times[warmup:], "chain": list(chain), "rank1": _on_rank1(model.partition_assignment),
+            "probe": probes.per_step() if probes else None}
 
 
 def _chain(chain: list[int]) -> str:
@@ -354,14 +437,35 @@ def latency() -> None:
         print(f"| {what} | {out[0] * 1e6:.0f} |", flush=True)
 
 
+def threads(name: str, steps: int, warmup: int) -> None:
+    """Where each rank's CPU goes, torch 1F1B against smp 1f1b with the same hand cut."""
+    print(f"\nwhere the CPU goes, model {name}, hand cut, 1F1B, per step after {warmup} warm-up steps "
+          f"(median step time; the rest are means over {steps} steps)\n")
+    print("| engine | rank | ms/step | CPU ms/step, all threads | of which gloo's I/O thread "
+          "| involuntary switches | page faults | sends (message parts) | KB sent |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    env = {"OMP_NUM_THREADS": "1"}
+    for label, fn, args in (("torch.distributed.pipelining", theirs, (name, "1f1b", steps, warmup, True)),
+                            ("smp (manual)", ours, (name, "1f1b", "manual", steps, warmup, True))):
+        out = run_ranks(fn, 2, args=args, env=env, timeout=900)
+        t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
+        for rank, o in enumerate(out):
+            p = o["probe"]
+            print(f"| {label} | {rank} | {t * 1e3:.0f} | {p['cpu'] * 1e3:.0f} | {p['io'] * 1e3:.0f} "
+                  f"| {p['nivcsw']:.0f} | {p['minflt']:.0f} | {p['sends']:.0f} | {p['kb']:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["all", "latency", *MODELS], default="all")
+    parser.add_argument("--model", choices=["all", "latency", "threads", *MODELS], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     if args.model in ("all", "latency"):
         latency()
+    if args.model == "threads":
+        threads("hf-llama", args.steps, args.warmup)
+        return
     for name in MODELS if args.model == "all" else [] if args.model == "latency" else [args.model]:
         bench(name, args.steps, args.warmup)
 
