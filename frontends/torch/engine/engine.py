@@ -41,6 +41,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 from ..runtime import failure
 from .local import current_task, set_task
 from .owner import Owner
-from .refs import resolve
+from .refs import RemoteTensor, resolve
 from .requester import Requester
 from .task import Task
 from .wire import (
@@ -81,6 +82,8 @@ __all__ = ["Engine", "Event", "current_task"]
 logger = logging.getLogger("smp")
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
+# Bytes: a reference's value small enough to come back with the gradients of its backward (a loss).
+_VALUE_BACK = 1024
 
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
@@ -201,7 +204,7 @@ class Engine(Requester, Owner):
     def _kind(self, task: Task) -> str:
         return BACKWARD if task.backward_called else FORWARD
 
-    def _end_run(self, task: Task) -> None:
+    def _end_run(self, task: Task, closing: int | None = None) -> bool:
         """Close the peer's open action for this microbatch (its next work is not a call to it).
 
         Calls sent without waiting are first acknowledged by their owner (Note [calls that do not
@@ -209,8 +212,15 @@ class Engine(Requester, Owner):
         differed from the expected one, which `_serve` turns into an error. Any reply from that
         owner to a later request acknowledges them as well (`_serve`), so a run that ends with a
         call that waits (a loss whose value comes back) needs no acknowledgement of its own.
+
+        With ``closing``, the caller's next message to that pp_rank is a request that closes the
+        run and whose reply acknowledges (Note [backward of a reference]): nothing is sent to it
+        here. Returns whether ``closing`` held the open run.
         """
-        for owner in sorted({o for o, _ in task.ahead.values()}):
+        closed = task.run_with is not None and task.run_with == closing
+        if closed:
+            task.run_with = None
+        for owner in sorted({o for o, _ in task.ahead.values()} - {closing}):
             close = task.run_with == owner
             if close:
                 task.run_with = None
@@ -221,6 +231,7 @@ class Engine(Requester, Owner):
         if task.run_with is not None:
             self._send(task.run_with, END_RUN, task.microbatch, {"close": True, "ack": None})
             task.run_with = None
+        return closed
 
     def settle(self, task: Task) -> None:
         """Before this microbatch does work on this rank: close any open run elsewhere, hold our baton."""
@@ -330,13 +341,57 @@ class Engine(Requester, Owner):
         if task is None:
             torch.autograd.backward(tensors, grad_tensors)
             return
-        tensors, grad_tensors = resolve((tensors, grad_tensors))
-        self.settle(task)
+        root = self._remote_root(tensors, grad_tensors)
+        if root is None:
+            tensors, grad_tensors = resolve((tensors, grad_tensors))
+            self.settle(task)
+            task.chain = list(task.trail)
+            task.backward_called = True
+            self._release(task)
+            self._acquire(task, BACKWARD)
+            torch.autograd.backward(tensors, grad_tensors)
+            return
+        # Note [backward of a reference]: the loss lives where the last module computed it (an op
+        # on a reference runs there), so the backward starts there: its gradient goes straight to
+        # the owner, in a request that also closes the owner's open run, and its value (when
+        # small) comes back with the gradients. The call that produced it then needs no reply of
+        # its own (from the second step on it leaves without waiting, like the layers before it),
+        # and the microbatch's chain is 0 -> 1 forward, 1 -> 0 backward, with no hop back to hold
+        # the loss.
+        ref, grad = root
+        close = self._end_run(task, closing=ref.owner)
         task.chain = list(task.trail)
         task.backward_called = True
-        self._release(task)
-        self._acquire(task, BACKWARD)
-        torch.autograd.backward(tensors, grad_tensors)
+        sent = task.sent.get(ref.owner, [])[:ref.ndeps]
+        info = {"task": weakref.ref(task), "owner": ref.owner, "key": ref.key, "path": ref.path,
+                "deps": [leaf_id for leaf_id, _ in sent]}
+        small = ref.numel() * ref.element_size() <= _VALUE_BACK
+        grads, value = self._backward_exchange(info, grad, close=close, value=small)  # releases, then acquires
+        if value is not None:
+            ref.value = self._fetched(task, ref.owner, ref.key, value, ref.requires_grad, ref.ndeps, ref.path)
+            ref.version = ref.value._version
+        pairs = [(t, g) for (_, t), g in zip(sent, grads) if g is not None]
+        if pairs:  # on through this rank's graph, as autograd goes on from a fetched value
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _remote_root(self, tensors: Any, grad_tensors: Any) -> tuple[RemoteTensor, torch.Tensor] | None:
+        """The reference ``model.backward`` starts from where it lives, and its gradient: one unread
+        reference of this microbatch that needs a gradient (a loss; any other output with its
+        gradient given). None: the values are fetched and autograd runs here."""
+        one = isinstance(tensors, (list, tuple)) and len(tensors) == 1
+        ref = tensors[0] if one else tensors
+        grad = grad_tensors[0] if one and isinstance(grad_tensors, (list, tuple)) and len(grad_tensors) == 1 \
+            else grad_tensors
+        if (not self.keep_remote or not isinstance(ref, RemoteTensor) or ref.value is not None
+                or not ref.requires_grad or not ref.live()):
+            return None
+        if grad is None:
+            if ref.numel() != 1:
+                return None  # autograd's own error: a gradient can be implied for scalars only
+            return ref, torch.ones(ref.shape, dtype=ref.dtype)
+        if not isinstance(grad, torch.Tensor):
+            return None
+        return ref, resolve(grad)
 
     def _task_main(self, task: Task, body: Callable[[], Any] | None) -> None:
         set_task(task)

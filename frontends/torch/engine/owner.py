@@ -106,10 +106,13 @@ class Owner:
     def _handle_backward(self, task: Task, msg: Message) -> None:
         body = msg.body
         task.trail = body["trail"]
+        if body["close"] and task.holding:  # the caller's open run ends with this request
+            self._release(task)
         held = task.holding
         if not held:
             self._acquire(task, BACKWARD)
         key = body["key"]
+        kept = [task.values[key].detach()] if body["value"] else []
         task.exported.discard(key)
         # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
         torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
@@ -123,6 +126,6 @@ class Owner:
         if not held:
             self._ends(task)
         self._send(msg.src_pp, BWD_REP, task.microbatch, {"id": body["id"], "mask": [g is not None for g in grads],
-                                                          "trail": task.trail}, [g for g in grads if g is not None])
+                                                          "trail": task.trail}, [g for g in grads if g is not None] + kept)
         if not held:
             self._release(task)

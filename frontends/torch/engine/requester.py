@@ -46,7 +46,7 @@ class _Fetch(torch.autograd.Function):
         info = ctx.info
         if grad is None:
             return (None, None, *[None] * len(info["deps"]))
-        return (None, None, *info["engine"]._backward_exchange(info, grad))
+        return (None, None, *info["engine"]._backward_exchange(info, grad)[0])
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)
@@ -231,12 +231,16 @@ class Requester:
             self.eager.setdefault(call_key, set()).add(index)
         return self._fetched(task, ref.owner, ref.key, reply.tensors[0], ref.requires_grad, ref.ndeps, ref.path)
 
-    def _backward_exchange(self, info: dict[str, Any], grad: torch.Tensor) -> list[torch.Tensor | None]:
+    def _backward_exchange(self, info: dict[str, Any], grad: torch.Tensor, close: bool = False,
+                           value: bool = False) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Send the gradient of the owner's kept value ``info["key"]``; the gradients of the tensors
+        this microbatch sent it (``info["deps"]``, None where none) come back, and with ``value``
+        the kept value itself. ``close``: the request also ends the owner's open run."""
         task = _info_task(info)
         owner = info["owner"]
         bid = ("backward", info["key"])
         self._send(owner, BWD_REQ, task.microbatch, {"id": bid, "key": info["key"], "deps": info["deps"],
-                                                     "trail": task.trail}, [grad])
+                                                     "trail": task.trail, "close": close, "value": value}, [grad])
         if task.holding:
             self._release(task)
         reply = self._serve(task, until=bid, peer=owner)
@@ -244,4 +248,5 @@ class Requester:
         if not task.holding:
             self._acquire(task, BACKWARD)
         it = iter(reply.tensors)
-        return [next(it) if m else None for m in reply.body["mask"]]
+        grads = [next(it) if m else None for m in reply.body["mask"]]
+        return grads, next(it) if value else None
