@@ -153,6 +153,9 @@ class Engine(Requester, Owner):
         self.events: list[Event] = []
         self._open: dict[int, Event] = {}
         self._workers: dict[int, _Worker] = {}
+        # pp_rank -> microbatches the leader finished that its next message there reports (`_end_microbatch`).
+        self._ended: dict[int, list[int]] = {}
+        self._ended_lock = threading.Lock()
         # (kind, ordinal) of this rank's actions that are short relative to its others: they run
         # without the baton, next to the holder (see `mark_light`).
         self.light: set[tuple[str, int]] = set()
@@ -265,9 +268,30 @@ class Engine(Requester, Owner):
 
     def _send(self, pp_dst: int, kind: int, mb: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         task = current_task()
-        if task is not None and task.outbox:
-            self._flush(task)  # queued calls go first: a peer sees one microbatch's messages in order
-        self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors))
+        if task is not None:
+            if task.outbox:
+                self._flush(task)  # queued calls go first: a peer sees one microbatch's messages in order
+            task.peers.add(pp_dst)
+        with self._ended_lock:
+            ended = self._ended.pop(pp_dst, ())
+        self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors), ended)
+
+    def _end_microbatch(self, task: Task) -> None:
+        """The leader finished a microbatch: its peers may free what they kept for it.
+
+        A peer this microbatch talked to hears it with our next message to it (which comes soon:
+        the next microbatch talks to it too), one send less per microbatch; any other peer (a third
+        rank the microbatch reached through another) gets an `MB_END` now. At the step's end the
+        peers free everything anyway.
+        """
+        for pp in range(len(self.pp_ranks)):
+            if pp == self.pp_rank:
+                continue
+            if pp in task.peers:
+                with self._ended_lock:
+                    self._ended.setdefault(pp, []).append(task.microbatch)
+            else:
+                self._send(pp, MB_END, task.microbatch, None)
 
     def _serve(self, task: Task, until: Any, peer: int | None = None) -> Message:
         """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
@@ -403,9 +427,7 @@ class Engine(Requester, Owner):
                 self.settle(task)
                 if task.chain is None:
                     task.chain = list(task.trail)
-                for pp in range(len(self.pp_ranks)):
-                    if pp != self.pp_rank:
-                        self._send(pp, MB_END, task.microbatch, None)
+                self._end_microbatch(task)
                 task.free()
                 self._release(task, finished=True)
             else:
@@ -429,6 +451,7 @@ class Engine(Requester, Owner):
         """
         self.baton = baton
         self.tasks = {}
+        self._ended = {}
         self.events = []
         self._open = {}
         leader = bodies is not None
@@ -453,6 +476,10 @@ class Engine(Requester, Owner):
 
         def route(msg: Message) -> bool:
             """On the receiver thread: hand a microbatch's message straight to its task."""
+            for mb in msg.ended:  # before the message: it may open the next microbatch (`_end_microbatch`)
+                ended = self.tasks.get(mb)
+                if ended is not None:
+                    ended.inbox.put(Message(MB_END, msg.src, mb, None, []))
             if msg.kind in (ERROR, DONE, DYNAMIC):
                 return False
             last_rx[0] = time.monotonic()

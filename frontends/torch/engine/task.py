@@ -37,6 +37,7 @@ class Task:
     backward_called: bool = False
     holding: bool = False  # holds this rank's baton
     run_with: int | None = None  # the peer whose action stays open for this microbatch's next call
+    peers: set[int] = field(default_factory=set)  # the pp_ranks this task sent messages to
     # Owner side: outputs kept for callers (key -> tensor with its graph), tensors received (by
     # LeafId), and the kept outputs a caller fetched with a gradient to come.
     values: dict[Any, torch.Tensor] = field(default_factory=dict)

@@ -124,6 +124,7 @@ class Message:
     body: Any
     tensors: list[torch.Tensor]
     src_pp: int = -1
+    ended: Sequence[int] = ()  # microbatches the sender finished before this message (their MB_END)
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -143,7 +144,8 @@ class Transport:
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
 
-    def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+    def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = (),
+             ended: Sequence[int] = ()) -> None:
         """Post a message to ``dst`` without waiting for it to leave, so compute goes on meanwhile.
 
         A message is at most two gloo sends: the frame, then one payload part with whatever did not
@@ -155,7 +157,7 @@ class Transport:
         touches).
         """
         specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
-        raw = pickle.dumps((body, specs), protocol=pickle.HIGHEST_PROTOCOL)
+        raw = pickle.dumps((body, specs, tuple(ended)), protocol=pickle.HIGHEST_PROTOCOL)
         data = [t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.detach().new_empty(0, dtype=torch.uint8)
                 for t in tensors]  # reshape copies only a non-contiguous tensor
         frame = bytearray(FRAME)
@@ -202,7 +204,7 @@ class Transport:
         lone = -1  # the one tensor the payload holds, received straight into its own memory
         tensors: list[torch.Tensor | None] = []
         if at + nbytes <= FRAME:
-            body, specs = pickle.loads(buf[at:at + nbytes])
+            body, specs, ended = pickle.loads(buf[at:at + nbytes])
             at += nbytes
             tensors = [None] * len(specs)
             if size:
@@ -219,7 +221,7 @@ class Transport:
         else:
             payload = torch.empty(size, dtype=torch.uint8)
             dist.recv(payload, src, group=self.group, tag=TAG)
-            body, specs = pickle.loads(payload[:nbytes].numpy().tobytes())
+            body, specs, ended = pickle.loads(payload[:nbytes].numpy().tobytes())
             off = nbytes
             tensors = [None] * len(specs)
         for i, (shape, code) in enumerate(specs[:ntensors]):
@@ -235,7 +237,7 @@ class Transport:
                     t.reshape(-1).view(torch.uint8).copy_(payload[off:off + n])
                     off += n
             tensors[i] = t
-        return Message(kind, src, microbatch, body, tensors)  # type: ignore[arg-type]
+        return Message(kind, src, microbatch, body, tensors, ended=ended)  # type: ignore[arg-type]
 
     def start(self, stop_kind: int, route: Callable[[Message], bool] | None = None) -> None:
         """Start the receiver (it ends after one ``stop_kind`` message from every peer).
