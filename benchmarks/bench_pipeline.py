@@ -151,7 +151,7 @@ SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual", "auto"), "hf-lla
 
 class _Probe:
     """Per step: the process's CPU (every thread, ended ones included), the CPU of gloo's TCP I/O
-    thread, involuntary context switches, minor page faults (fresh memory the kernel zeroes), and
+    thread and of the threads that run the model, involuntary context switches, minor page faults (fresh memory the kernel zeroes), and
     the point-to-point sends and bytes this rank posts.
 
     Per-thread CPU is the kernel's per-thread clock (``clock_gettime`` on the thread's CPU clock id,
@@ -171,7 +171,7 @@ class _Probe:
             counted = self._counting(getattr(c10d, name))
             setattr(dist, name, counted)  # one object under both names: P2POp checks `op is isend`
             setattr(c10d, name, counted)
-        self.total: dict[str, float] = {"cpu": 0.0, "io": 0.0, "nivcsw": 0.0, "minflt": 0.0, "sends": 0.0, "kb": 0.0}
+        self.total = dict.fromkeys(("cpu", "io", "compute", "nivcsw", "minflt", "sends", "kb"), 0.0)
         self.steps = 0
 
     def _counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -187,23 +187,30 @@ class _Probe:
         return counted
 
     @staticmethod
-    def _io_cpu() -> float:
-        """Seconds of CPU of the threads named ``gloo*`` (gloo's TCP loop)."""
-        total = 0.0
+    def _thread_cpu() -> tuple[float, float]:
+        """Seconds of CPU of gloo's TCP loop (threads named ``gloo*``) and of the threads that run
+        the model (torch: the main thread; smp: its microbatch workers ``smp-mb*``)."""
+        import threading
+
+        compute_ids = {t.native_id for t in threading.enumerate()
+                       if t.name.startswith("smp-mb")} or {threading.main_thread().native_id}
+        io = compute = 0.0
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    if not f.read().startswith("gloo"):
-                        continue
-                total += time.clock_gettime((~int(tid) << 3) | 6)  # the thread's CPU clock (CPUCLOCK_SCHED)
+                    gloo = f.read().startswith("gloo")
+                if gloo or int(tid) in compute_ids:
+                    cpu = time.clock_gettime((~int(tid) << 3) | 6)  # the thread's CPU clock (CPUCLOCK_SCHED)
+                    io, compute = (io + cpu, compute) if gloo else (io, compute + cpu)
             except OSError:
                 continue
-        return total
+        return io, compute
 
     def _now(self) -> dict[str, float]:
         r = self._resource.getrusage(self._resource.RUSAGE_SELF)
-        return {"cpu": r.ru_utime + r.ru_stime, "io": self._io_cpu(), "nivcsw": r.ru_nivcsw, "minflt": r.ru_minflt,
-                "sends": self.sends, "kb": self.bytes / 1024}
+        io, compute = self._thread_cpu()
+        return {"cpu": r.ru_utime + r.ru_stime, "io": io, "compute": compute, "nivcsw": r.ru_nivcsw,
+                "minflt": r.ru_minflt, "sends": self.sends, "kb": self.bytes / 1024}
 
     def start(self) -> None:
         self._at = self._now()
@@ -441,9 +448,9 @@ def threads(name: str, steps: int, warmup: int) -> None:
     """Where each rank's CPU goes, torch 1F1B against smp 1f1b with the same hand cut."""
     print(f"\nwhere the CPU goes, model {name}, hand cut, 1F1B, per step after {warmup} warm-up steps "
           f"(median step time; the rest are means over {steps} steps)\n")
-    print("| engine | rank | ms/step | CPU ms/step, all threads | of which gloo's I/O thread "
+    print("| engine | rank | ms/step | CPU ms/step, all threads | model's threads | gloo's I/O thread | the rest "
           "| involuntary switches | page faults | sends (message parts) | KB sent |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     env = {"OMP_NUM_THREADS": "1"}
     for label, fn, args in (("torch.distributed.pipelining", theirs, (name, "1f1b", steps, warmup, True)),
                             ("smp (manual)", ours, (name, "1f1b", "manual", steps, warmup, True))):
@@ -451,7 +458,9 @@ def threads(name: str, steps: int, warmup: int) -> None:
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
         for rank, o in enumerate(out):
             p = o["probe"]
-            print(f"| {label} | {rank} | {t * 1e3:.0f} | {p['cpu'] * 1e3:.0f} | {p['io'] * 1e3:.0f} "
+            rest = p["cpu"] - p["compute"] - p["io"]
+            print(f"| {label} | {rank} | {t * 1e3:.0f} | {p['cpu'] * 1e3:.0f} | {p['compute'] * 1e3:.0f} "
+                  f"| {p['io'] * 1e3:.0f} | {rest * 1e3:.0f} "
                   f"| {p['nivcsw']:.0f} | {p['minflt']:.0f} | {p['sends']:.0f} | {p['kb']:.0f} |", flush=True)
 
 
