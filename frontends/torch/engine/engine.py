@@ -223,14 +223,14 @@ class Engine(Requester, Owner):
         closed = task.run_with is not None and task.run_with == closing
         if closed:
             task.run_with = None
-        for owner in sorted({o for o, _ in task.ahead.values()} - {closing}):
+        for owner in sorted(set(task.ahead.values()) - {closing}):
             close = task.run_with == owner
             if close:
                 task.run_with = None
             ack = ("ack", owner, task.calls)
             self._send(owner, END_RUN, task.microbatch, {"close": close, "ack": ack})
             self._serve(task, until=ack, peer=owner)
-            task.ahead = {cid: v for cid, v in task.ahead.items() if v[0] != owner}
+            task.ahead = {cid: o for cid, o in task.ahead.items() if o != owner}
         if task.run_with is not None:
             self._send(task.run_with, END_RUN, task.microbatch, {"close": True, "ack": None})
             task.run_with = None
@@ -293,13 +293,35 @@ class Engine(Requester, Owner):
             else:
                 self._send(pp, MB_END, task.microbatch, None)
 
+    def _next(self, task: Task) -> Message:
+        """The task's next message to act on (raises queue.Empty after the timeout).
+
+        Note [requests that wait for the one before]: while this task handles a request its caller
+        sent without waiting (Note [calls that do not wait]), it may serve messages itself (the
+        module called a third rank, or back). What that caller sent after the request belongs
+        after it (calls that use its outputs, the end of the run and its acknowledgement), so it
+        waits until the request is done. Replies do not wait: the request may need them. A request
+        the caller waits for is different: what the caller sends meanwhile is nested in it (a call
+        back into this rank from a module of the caller's) and is served at once.
+        """
+        while True:
+            for i, waiting in enumerate(task.deferred):  # the first of each peer is its earliest
+                if not task.handling.get(waiting.src_pp):
+                    return task.deferred.pop(i)
+            msg = task.inbox.get(timeout=self.timeout_s)
+            src = msg.src_pp
+            if msg.kind not in REPLIES and (task.handling.get(src) or any(m.src_pp == src for m in task.deferred)):
+                task.deferred.append(msg)
+                continue
+            return msg
+
     def _serve(self, task: Task, until: Any, peer: int | None = None) -> Message:
         """Wait for the reply ``until`` from pp_rank ``peer`` (or, with None, serve until the step ends)."""
         if task.outbox:
             self._flush(task)
         while True:
             try:
-                msg = task.inbox.get(timeout=self.timeout_s)
+                msg = self._next(task)
             except queue.Empty:
                 what = f"microbatch {task.microbatch} on pp_rank {self.pp_rank} waited for "
                 if peer is not None:
@@ -308,39 +330,45 @@ class Engine(Requester, Owner):
                 raise failure.timeout_error(what + "a pipeline message", self._peer_ranks(), self.timeout_s) from None
             kind = msg.kind
             if kind == FWD_REP and msg.body["id"] in task.ahead:
-                _, expected = task.ahead.pop(msg.body["id"])
+                task.ahead.pop(msg.body["id"])  # the owner replies to such a call only when it differs
                 if msg.body.get("modified"):
                     raise SMPError(
                         f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} changed one of its inputs "
                         f"in place (call {msg.body['id']}), which it did not on the last step; smp sent that call "
                         "without waiting for its reply, so the caller's tensor cannot follow. Fix: set "
                         "\"fast_mode\": False in the config, or make the module change its inputs on every step or never")
-                if msg.body["skeleton"] != expected["skeleton"] or not msg.body["open"] or msg.tensors:
-                    raise SMPError(
-                        f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} returned outputs of other "
-                        f"shapes or structure than on the last step for the same arguments (call {msg.body['id']}); "
-                        "smp sent that call without waiting for its reply. Fix: set \"fast_mode\": False in the "
-                        "config for models whose module outputs change shape with the values of their inputs")
-                continue
+                raise SMPError(
+                    f"microbatch {task.microbatch}: a module on pp_rank {msg.src_pp} returned outputs of other "
+                    "shapes or structure, or called other pipeline ranks, than on the last step for the same "
+                    f"arguments (call {msg.body['id']}); smp sent that call without waiting for its reply. Fix: "
+                    "set \"fast_mode\": False in the config for models whose module outputs or calls change "
+                    "with the values of their inputs")
             if kind in REPLIES:
                 if until is None or msg.body["id"] != until:
                     raise RuntimeError(f"unexpected reply {msg.body['id']} for microbatch {task.microbatch}")
                 if task.ahead:  # the peer handled every call we sent it before this request, as expected
-                    task.ahead = {cid: v for cid, v in task.ahead.items() if v[0] != msg.src_pp}
+                    task.ahead = {cid: o for cid, o in task.ahead.items() if o != msg.src_pp}
                 return msg
             if kind == FWD_REQ or kind == BWD_REQ or kind == FWD_BATCH:
                 if task.run_with == msg.src_pp:
                     task.run_with = None  # the peer released its baton to send us this request
-                if kind == FWD_REQ:
-                    self._handle_forward(task, msg)
-                elif kind == BWD_REQ:
-                    self._handle_backward(task, msg)
-                else:
-                    at = 0
-                    for body, count in msg.body:
-                        self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
-                                                           msg.tensors[at:at + count], msg.src_pp))
-                        at += count
+                ahead = kind == FWD_BATCH or (kind == FWD_REQ and msg.body.get("ahead"))
+                if ahead:
+                    task.handling[msg.src_pp] = task.handling.get(msg.src_pp, 0) + 1
+                try:
+                    if kind == FWD_REQ:
+                        self._handle_forward(task, msg)
+                    elif kind == BWD_REQ:
+                        self._handle_backward(task, msg)
+                    else:
+                        at = 0
+                        for body, count in msg.body:
+                            self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
+                                                               msg.tensors[at:at + count], msg.src_pp))
+                            at += count
+                finally:
+                    if ahead:
+                        task.handling[msg.src_pp] -= 1
             elif kind == FETCH:
                 self._handle_fetch(task, msg)
             elif kind == END_RUN:
@@ -476,14 +504,14 @@ class Engine(Requester, Owner):
 
         def route(msg: Message) -> bool:
             """On the receiver thread: hand a microbatch's message straight to its task."""
+            msg.src_pp = self.pp_ranks.index(msg.src)
             for mb in msg.ended:  # before the message: it may open the next microbatch (`_end_microbatch`)
                 ended = self.tasks.get(mb)
                 if ended is not None:
-                    ended.inbox.put(Message(MB_END, msg.src, mb, None, []))
+                    ended.inbox.put(Message(MB_END, msg.src, mb, None, [], msg.src_pp))
             if msg.kind in (ERROR, DONE, DYNAMIC):
                 return False
             last_rx[0] = time.monotonic()
-            msg.src_pp = self.pp_ranks.index(msg.src)
             task = self.tasks.get(msg.microbatch) or spawn(msg.microbatch, None)
             task.inbox.put(msg)
             return True

@@ -25,7 +25,7 @@ class Owner:
     def _handle_forward(self, task: Task, msg: Message) -> None:
         body = msg.body
         src = msg.src_pp
-        task.trail = body["trail"]
+        task.trail = list(body["trail"])  # body["trail"] stays what the caller sent
         if not task.holding:
             self._acquire(task, FORWARD)
 
@@ -90,7 +90,11 @@ class Owner:
             self._ends(task)
         # A call sent without waiting whose reply is the one the caller expects needs none
         # (Note [calls that do not wait]): our next reply to the caller, or the run's end, acknowledges it.
-        if not (body.get("ahead") and keep and not modified and skeleton == body["expect"]):
+        # (The owner's trail must be the one the caller assumed: the run's, one hop longer when the
+        # call opened it. A call to a third rank that the last step did not make shows there.)
+        assumed = [*body["trail"], self.pp_rank] if body.get("opening") else body["trail"]
+        if not (body.get("ahead") and keep and not modified and skeleton == body["expect"]
+                and task.trail == assumed):
             self._send(src, FWD_REP, task.microbatch, {"id": body["id"], "skeleton": skeleton, "open": keep,
                                                        "trail": task.trail, "modified": modified}, data)
         if task.holding and not keep:
@@ -105,7 +109,7 @@ class Owner:
 
     def _handle_backward(self, task: Task, msg: Message) -> None:
         body = msg.body
-        task.trail = body["trail"]
+        task.trail = list(body["trail"])  # body["trail"] stays what the caller sent
         if body["close"] and task.holding:  # the caller's open run ends with this request
             self._release(task)
         held = task.holding

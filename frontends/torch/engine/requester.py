@@ -78,6 +78,7 @@ class Requester:
         assert task is not None
         if task.run_with is not None and task.run_with != owner:
             self._end_run(task)
+        run_before = task.run_with
         grad = torch.is_grad_enabled()
         skeleton, tensors = self._pack_args(task, owner, (args, kwargs), grad)  # may fetch (and settle)
         task.calls += 1
@@ -95,8 +96,18 @@ class Requester:
             except Exception:  # noqa: BLE001 - an argument that does not pickle is sent as before
                 signature = None
         known = self.predicted.get(call_key)
-        if (signature is not None and known is not None and known[0] == signature and task.run_with == owner
-                and not task.holding):
+        predicted = signature is not None and known is not None and known[0] == signature
+        # The call that opens a run goes ahead too when it opened one on the last step (its reply
+        # was open, with the owner as the only new rank of the trail): the caller ends its own
+        # action as the reply would have let it. The owner handles it before anything sent after it
+        # (Note [requests that wait for the one before]).
+        opening = predicted and task.run_with is None and known[1]["opens"]  # type: ignore[index]
+        if opening:
+            if task.holding:
+                self._release(task)
+            task.run_with = owner
+            task.trail = [*task.trail, owner]  # what the owner's reply would say (a new list: body holds the old)
+        if predicted and task.run_with == owner and not task.holding:
             # Note [calls that do not wait]: the owner holds this microbatch's open run, and this
             # call sends what it sent on the last step, so it should reply as it did then: the
             # caller goes on at once with that reply, and the owner never waits for it. The request
@@ -107,8 +118,9 @@ class Requester:
             # Such calls also leave together: queued until this task sends or waits for anything
             # else, or the first has waited _BATCH_S (a loop of layers on one rank: one message).
             body["ahead"] = True
+            body["opening"] = opening
             body["expect"] = known[1]["skeleton"]
-            task.ahead[cid] = (owner, known[1])
+            task.ahead[cid] = owner
             task.outbox.append((owner, body, tensors))
             now = time.perf_counter()
             if len(task.outbox) == 1:
@@ -127,7 +139,9 @@ class Requester:
                 self._acquire(task, self._kind(task))
             reply_body, reply_tensors = reply.body, reply.tensors
             if signature is not None and reply_body["open"] and not reply_tensors:
-                self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True})
+                opens = run_before is None and reply_body["trail"] == [*body["trail"], owner]
+                self.predicted[call_key] = (signature, {"skeleton": reply_body["skeleton"], "open": True,
+                                                        "opens": opens})
         ndeps = len(task.sent.get(owner, ()))
         for marker, out in reply_body.get("modified", ()):
             self._apply_change(task, owner, marker, tensors, out, reply_tensors[out.data], ndeps, path)

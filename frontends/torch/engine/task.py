@@ -38,13 +38,17 @@ class Task:
     holding: bool = False  # holds this rank's baton
     run_with: int | None = None  # the peer whose action stays open for this microbatch's next call
     peers: set[int] = field(default_factory=set)  # the pp_ranks this task sent messages to
+    # Owner side: requests sent without waiting in progress, per caller pp_rank, and the messages
+    # that wait for them (Note [requests that wait for the one before], `Engine._next`).
+    handling: dict[int, int] = field(default_factory=dict)
+    deferred: list[Any] = field(default_factory=list)
     # Owner side: outputs kept for callers (key -> tensor with its graph), tensors received (by
     # LeafId), and the kept outputs a caller fetched with a gradient to come.
     values: dict[Any, torch.Tensor] = field(default_factory=dict)
     leaves: dict[LeafId, torch.Tensor] = field(default_factory=dict)
     exported: set[Any] = field(default_factory=set)
-    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> (owner, the reply expected).
-    ahead: dict[Any, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    # Caller side: calls sent without waiting (Note [calls that do not wait]): id -> owner.
+    ahead: dict[Any, int] = field(default_factory=dict)
     # ... and those not sent yet ((owner, body, tensors); one owner, the open run's), with when the
     # first was queued: they leave together in one message (`Requester._flush`).
     outbox: list[tuple[int, dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)

@@ -5,8 +5,7 @@ the model's head on the last rank), ``model.backward(loss)`` starts where the lo
 back to the leader to hold it, no acknowledgement round trip, and the loss value comes back with
 the gradients. Checked in one 2-rank launch, each step body against one process (losses, outputs
 and gradients bitwise): the loss as SMP v1 scripts write it (also: the chain recorded is 0 -> 1,
-and from the second step on rank 1 sends two messages per microbatch, the reply that opens its
-run and the gradients), the loss read before backward, a scaled loss, and ``model.backward(out,
+and from the second step on rank 1 sends one message per microbatch, the gradients), the loss read before backward, a scaled loss, and ``model.backward(out,
 grad)`` on a non-scalar output with its gradient given.
 """
 
@@ -139,8 +138,7 @@ def test_backward_starts_where_the_loss_lives_and_matches_one_process() -> None:
                     torch.testing.assert_close(g, ref[step][1][name], rtol=0, atol=0, msg=f"{body} {step} {name}")
     loss = out[0]["loss"]
     assert loss["chain"] == [0, 1], loss["chain"]
-    # Rank 1 on the last step: per microbatch the reply that opens its run and the gradients, then
-    # its STOP; no acknowledgement, no reply for the calls inside the run, no fetch of the loss.
-    assert out[1]["loss"]["kinds"] == {"FWD_REP": MICROBATCHES, "BWD_REP": MICROBATCHES, "STOP": 1}, \
-        out[1]["loss"]["kinds"]
+    # Rank 1 on the last step: per microbatch only the gradients, then its STOP. No reply to the
+    # calls (the one that opens its run included), no acknowledgement, no fetch of the loss.
+    assert out[1]["loss"]["kinds"] == {"BWD_REP": MICROBATCHES, "STOP": 1}, out[1]["loss"]["kinds"]
     assert "END_RUN" not in loss["kinds"] and "FETCH" not in loss["kinds"], loss["kinds"]

@@ -188,3 +188,71 @@ def test_messages_do_not_grow_with_remote_layers_and_a_differing_reply_fails() -
     assert out[0]["shape"].startswith("SMPError"), out[0]["shape"]
     assert "other shapes or structure" in out[0]["shape"] and "fast_mode" in out[0]["shape"], out[0]["shape"]
     assert out[1]["shape"] != "no error", out[1]["shape"]
+
+
+class _Detour(nn.Module):
+    """On rank 1; from the step its flag is set, it also calls ``side`` (on rank 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.side = nn.Linear(D, D)
+        self.use_side = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.lin(h)
+        return self.side(h) if self.use_side else h
+
+
+class Detour(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.a = _Detour()
+        self.b = nn.Linear(D, D)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(self.inp(x))).mean(1))
+
+
+def _detour() -> str:
+    """Two steps as recorded, then a step where the call that opens rank 1's run calls rank 2 too."""
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": MICROBATCHES, "auto_partition": False,
+              "default_partition": 0, "comm_timeout": 20})
+    torch.manual_seed(0)
+    net = Detour()
+    model = smp.DistributedModel(net)
+    smp.set_partition(net.a, 1)
+    smp.set_partition(net.b, 1)
+    smp.set_partition(net.a.side, 2)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = _data(1)[0]
+    try:
+        train_step(model, x, y)
+        train_step(model, x, y)
+        net.a.use_side = True
+        train_step(model, x, y)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        smp.reset()
+    return "no error"
+
+
+def test_a_call_that_now_reaches_a_third_rank_fails_with_the_fix() -> None:
+    """Rank 1 serves messages while its module waits for rank 2; rank 0's END_RUN and calls sent
+    after that call wait until it is done (Note [requests that wait for the one before]), so rank 1
+    replies with the trail that differs and rank 0 fails with the error naming the fix."""
+    out = run_ranks(_detour, 3, timeout=120, expect_failure=True)
+    status, text = out[0]
+    assert status == "ok", out[0]
+    assert text.startswith("SMPError") and "called other pipeline ranks" in text and "fast_mode" in text, text
