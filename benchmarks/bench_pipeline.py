@@ -19,7 +19,13 @@ of one microbatch timed alone in one process: no 2-stage schedule that keeps bac
 finish a step in less than ``m * max + min``), and per row the median step time after warm-up,
 what runs on rank 1 and, for smp, the microbatch chain recorded on the first step.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--model all|sequential|modulelist|hf-llama]
+``--model latency`` prints the engine's own cost per cross-rank call (a tiny tensor), which
+``all`` prints first; ``--model threads`` shows where each rank's CPU goes on the Llama hand cut,
+torch 1F1B against smp 1f1b: the CPU of all threads, of the threads that run the model and of
+gloo's TCP I/O thread, involuntary context switches, page faults, and the sends and bytes each
+rank posts per step.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|sequential|modulelist|hf-llama]
         [--steps 8] [--warmup 2]
 """
 
@@ -458,7 +464,7 @@ def threads(name: str, steps: int, warmup: int) -> None:
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
         for rank, o in enumerate(out):
             p = o["probe"]
-            rest = p["cpu"] - p["compute"] - p["io"]
+            rest = max(0.0, p["cpu"] - p["compute"] - p["io"])  # clock granularity: never below 0
             print(f"| {label} | {rank} | {t * 1e3:.0f} | {p['cpu'] * 1e3:.0f} | {p['compute'] * 1e3:.0f} "
                   f"| {p['io'] * 1e3:.0f} | {rest * 1e3:.0f} "
                   f"| {p['nivcsw']:.0f} | {p['minflt']:.0f} | {p['sends']:.0f} | {p['kb']:.0f} |", flush=True)
