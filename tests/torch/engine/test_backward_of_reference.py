@@ -16,30 +16,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tests.helpers.spawn import run_ranks
-from tests.torch.zoo import Block
+from tests.torch.engine.test_calls_ahead import BATCH, CLASSES, MICROBATCHES, SEQ, D, Loop
 
-D, SEQ, BATCH, MICROBATCHES, CLASSES, STEPS = 8, 4, 4, 2, 3, 3
+# The model: Loop(2), its input layer and block 0 on rank 0, blocks 1-2 and the head on rank 1.
+STEPS = 3
 BODIES = ("loss", "read", "scaled", "grad")
-
-
-class Tail(nn.Module):
-    """Input layer and block 0 on rank 0; blocks 1-2 and the head on rank 1 (placed by the test)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(Block(D) for _ in range(3))
-        self.head = nn.Linear(D, CLASSES)
-        self.register_buffer("mask", torch.triu(torch.full((SEQ, SEQ), float("-inf")), 1), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h, self.mask)
-        return self.head(h.mean(1))
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,7 +46,7 @@ def _microbatch(body: str, out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Te
 
 def _reference(body: str) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
-    model = Tail()
+    model = Loop(2)
     steps = []
     for x, y in _data():
         model.zero_grad()
@@ -84,7 +67,7 @@ def _train(body: str) -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
               "default_partition": 0})
     torch.manual_seed(0)
-    net = Tail()
+    net = Loop(2)
     model = smp.DistributedModel(net)
     for module in (net.blocks[1], net.blocks[2], net.head):
         smp.set_partition(module, 1)

@@ -15,6 +15,7 @@ a rank-1 module whose output shape follows the values of its input.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,16 +130,17 @@ def _loop(remote: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def _shape_by_value() -> str:
+def _first_error(pp: int, net: nn.Module, placed: list[tuple[nn.Module, int]],
+                 steps: Callable[[Callable[[torch.Tensor, torch.Tensor], Any]], None]) -> str:
+    """Train ``net`` split over ``pp`` ranks (``placed``: module -> pp_rank; the rest on 0) through
+    ``steps(train_step)``, and return the first error as text ("no error" without one)."""
     import smp.torch as smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES, "auto_partition": False,
               "default_partition": 0, "comm_timeout": 20})
-    torch.manual_seed(0)
-    net = ShapeByValue()
     model = smp.DistributedModel(net)
-    smp.set_partition(net.first, 1)
-    smp.set_partition(net.keep, 1)
+    for module, rank in placed:
+        smp.set_partition(module, rank)
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -146,6 +148,18 @@ def _shape_by_value() -> str:
         model.backward(loss)
         return loss
 
+    try:
+        steps(lambda x, y: train_step(model, x, y))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        smp.reset()
+    return "no error"
+
+
+def _shape_by_value() -> str:
+    torch.manual_seed(0)
+    net = ShapeByValue()
     x = torch.randn(BATCH, SEQ, D)
     y = torch.zeros(BATCH, dtype=torch.long)
     with torch.no_grad():
@@ -154,14 +168,12 @@ def _shape_by_value() -> str:
     x_few = -x.abs()  # no positive position: one kept
     x_few[:, 0] = 1.0
     x_all = x.abs()  # every position kept
-    try:
-        train_step(model, x_few, y)
-        train_step(model, x_all, y)  # the same argument shapes, another output shape
-    except Exception as e:  # noqa: BLE001 - the error is the result
-        return f"{type(e).__name__}: {e}"
-    finally:
-        smp.reset()
-    return "no error"
+
+    def steps(train_step: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        train_step(x_few, y)
+        train_step(x_all, y)  # the same argument shapes, another output shape
+
+    return _first_error(2, net, [(net.first, 1), (net.keep, 1)], steps)
 
 
 def _ranks(steps: int) -> dict[str, Any]:
@@ -218,34 +230,17 @@ class Detour(nn.Module):
 
 def _detour() -> str:
     """Two steps as recorded, then a step where the call that opens rank 1's run calls rank 2 too."""
-    import smp.torch as smp
-
-    smp.init({"pipeline_parallel_degree": 3, "microbatches": MICROBATCHES, "auto_partition": False,
-              "default_partition": 0, "comm_timeout": 20})
     torch.manual_seed(0)
     net = Detour()
-    model = smp.DistributedModel(net)
-    smp.set_partition(net.a, 1)
-    smp.set_partition(net.b, 1)
-    smp.set_partition(net.a.side, 2)
-
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
     x, y = _data(1)[0]
-    try:
-        train_step(model, x, y)
-        train_step(model, x, y)
+
+    def steps(train_step: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        train_step(x, y)
+        train_step(x, y)
         net.a.use_side = True
-        train_step(model, x, y)
-    except Exception as e:  # noqa: BLE001 - the error is the result
-        return f"{type(e).__name__}: {e}"
-    finally:
-        smp.reset()
-    return "no error"
+        train_step(x, y)
+
+    return _first_error(3, net, [(net.a, 1), (net.b, 1), (net.a.side, 2)], steps)
 
 
 def test_a_call_that_now_reaches_a_third_rank_fails_with_the_fix() -> None:
