@@ -41,7 +41,6 @@ import queue
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +53,7 @@ from smp.pipeline.baton import BACKWARD, FORWARD, Baton
 from ..runtime import failure
 from .local import current_task, set_task
 from .owner import Owner
-from .refs import RemoteTensor, resolve
+from .refs import resolve
 from .requester import Requester
 from .task import Task
 from .wire import (
@@ -82,8 +81,6 @@ __all__ = ["Engine", "Event", "current_task"]
 logger = logging.getLogger("smp")
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
-# Bytes: a reference's value small enough to come back with the gradients of its backward (a loss).
-_VALUE_BACK = 1024
 
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
@@ -272,8 +269,10 @@ class Engine(Requester, Owner):
             if task.outbox:
                 self._flush(task)  # queued calls go first: a peer sees one microbatch's messages in order
             task.peers.add(pp_dst)
-        with self._ended_lock:
-            ended = self._ended.pop(pp_dst, ())
+        ended: Sequence[int] = ()
+        if self._ended:  # no lock on the common path: an end seen late rides on the next message
+            with self._ended_lock:
+                ended = self._ended.pop(pp_dst, ())
         self.transport.send(self.pp_ranks[pp_dst], kind, mb, body, list(tensors), ended)
 
     def _end_microbatch(self, task: Task) -> None:
@@ -403,47 +402,8 @@ class Engine(Requester, Owner):
             self._acquire(task, BACKWARD)
             torch.autograd.backward(tensors, grad_tensors)
             return
-        # Note [backward of a reference]: the loss lives where the last module computed it (an op
-        # on a reference runs there), so the backward starts there: its gradient goes straight to
-        # the owner, in a request that also closes the owner's open run, and its value (when
-        # small) comes back with the gradients. The call that produced it then needs no reply of
-        # its own (from the second step on it leaves without waiting, like the layers before it),
-        # and the microbatch's chain is 0 -> 1 forward, 1 -> 0 backward, with no hop back to hold
-        # the loss.
         ref, grad = root
-        close = self._end_run(task, closing=ref.owner)
-        task.chain = list(task.trail)
-        task.backward_called = True
-        sent = task.sent.get(ref.owner, [])[:ref.ndeps]
-        info = {"task": weakref.ref(task), "owner": ref.owner, "key": ref.key, "path": ref.path,
-                "deps": [leaf_id for leaf_id, _ in sent]}
-        small = ref.numel() * ref.element_size() <= _VALUE_BACK
-        grads, value = self._backward_exchange(info, grad, close=close, value=small)  # releases, then acquires
-        if value is not None:
-            ref.value = self._fetched(task, ref.owner, ref.key, value, ref.requires_grad, ref.ndeps, ref.path)
-            ref.version = ref.value._version
-        pairs = [(t, g) for (_, t), g in zip(sent, grads) if g is not None]
-        if pairs:  # on through this rank's graph, as autograd goes on from a fetched value
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-
-    def _remote_root(self, tensors: Any, grad_tensors: Any) -> tuple[RemoteTensor, torch.Tensor] | None:
-        """The reference ``model.backward`` starts from where it lives, and its gradient: one unread
-        reference of this microbatch that needs a gradient (a loss; any other output with its
-        gradient given). None: the values are fetched and autograd runs here."""
-        one = isinstance(tensors, (list, tuple)) and len(tensors) == 1
-        ref = tensors[0] if one else tensors
-        grad = grad_tensors[0] if one and isinstance(grad_tensors, (list, tuple)) and len(grad_tensors) == 1 \
-            else grad_tensors
-        if (not self.keep_remote or not isinstance(ref, RemoteTensor) or ref.value is not None
-                or not ref.requires_grad or not ref.live()):
-            return None
-        if grad is None:
-            if ref.numel() != 1:
-                return None  # autograd's own error: a gradient can be implied for scalars only
-            return ref, torch.ones(ref.shape, dtype=ref.dtype)
-        if not isinstance(grad, torch.Tensor):
-            return None
-        return ref, resolve(grad)
+        self._backward_of_reference(task, ref, grad)
 
     def _task_main(self, task: Task, body: Callable[[], Any] | None) -> None:
         set_task(task)

@@ -21,7 +21,7 @@ from smp.errors import SMPError
 from smp.pipeline.baton import BACKWARD
 
 from .local import current_task
-from .refs import RemoteTensor
+from .refs import RemoteTensor, resolve
 from .task import Alias, Task, ref_or_value
 from .wire import BWD_REQ, FETCH, FWD_BATCH, FWD_REQ, Cached, Out, Ref, Slot, map_structure
 
@@ -53,6 +53,8 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 # Calls sent without waiting are queued at most this long (s) and this many before they leave.
 _BATCH_S = 0.002
 _BATCH_MAX = 64
+# Bytes: a reference's value small enough to come back with the gradients of its backward (a loss).
+_VALUE_BACK = 1024
 
 
 def _info_task(info: dict[str, Any]) -> Task:
@@ -264,3 +266,48 @@ class Requester:
         it = iter(reply.tensors)
         grads = [next(it) if m else None for m in reply.body["mask"]]
         return grads, next(it) if value else None
+
+    def _backward_of_reference(self, task: Task, ref: RemoteTensor, grad: torch.Tensor) -> None:
+        """``model.backward(ref, grad)`` for a reference `_remote_root` chose.
+
+        Note [backward of a reference]: the loss lives where the last module computed it (an op
+        on a reference runs there), so the backward starts there: its gradient goes straight to
+        the owner, in a request that also closes the owner's open run, and its value (when
+        small) comes back with the gradients. The call that produced it then needs no reply of
+        its own (from the second step on it leaves without waiting, like the layers before it),
+        and the microbatch's chain is 0 -> 1 forward, 1 -> 0 backward, with no hop back to hold
+        the loss.
+        """
+        close = self._end_run(task, closing=ref.owner)
+        task.chain = list(task.trail)
+        task.backward_called = True
+        sent = task.sent.get(ref.owner, [])[:ref.ndeps]
+        info = {"task": weakref.ref(task), "owner": ref.owner, "key": ref.key, "path": ref.path,
+                "deps": [leaf_id for leaf_id, _ in sent]}
+        small = ref.numel() * ref.element_size() <= _VALUE_BACK
+        grads, value = self._backward_exchange(info, grad, close=close, value=small)  # releases, then acquires
+        if value is not None:
+            ref.value = self._fetched(task, ref.owner, ref.key, value, ref.requires_grad, ref.ndeps, ref.path)
+            ref.version = ref.value._version
+        pairs = [(t, g) for (_, t), g in zip(sent, grads) if g is not None]
+        if pairs:  # on through this rank's graph, as autograd goes on from a fetched value
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _remote_root(self, tensors: Any, grad_tensors: Any) -> tuple[RemoteTensor, torch.Tensor] | None:
+        """The reference ``model.backward`` starts from where it lives, and its gradient: one unread
+        reference of this microbatch that needs a gradient (a loss; any other output with its
+        gradient given). None: the values are fetched and autograd runs here."""
+        one = isinstance(tensors, (list, tuple)) and len(tensors) == 1
+        ref = tensors[0] if one else tensors
+        grad = grad_tensors[0] if one and isinstance(grad_tensors, (list, tuple)) and len(grad_tensors) == 1 \
+            else grad_tensors
+        if (not self.keep_remote or not isinstance(ref, RemoteTensor) or ref.value is not None
+                or not ref.requires_grad or not ref.live()):
+            return None
+        if grad is None:
+            if ref.numel() != 1:
+                return None  # autograd's own error: a gradient can be implied for scalars only
+            return ref, torch.ones(ref.shape, dtype=ref.dtype)
+        if not isinstance(grad, torch.Tensor):
+            return None
+        return ref, resolve(grad)
