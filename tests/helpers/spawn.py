@@ -14,7 +14,11 @@ Usage::
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and SMP_RENDEZVOUS_FILE, so
 ``smp.init`` rendezvouses through a fresh file. A child's exception is published to the other ranks
 (they stop with RemoteRankError instead of hanging) and re-raised here with the child's traceback.
-A child still running after ``timeout`` seconds fails the test with the ranks that did not finish.
+A child still running after ``timeout`` seconds fails the test with the ranks that did not finish;
+before it is killed, the parent signals it (SIGUSR1) to print every thread's Python stack. The
+signal, not ``faulthandler.dump_traceback_later``, so that a rank starts with its main thread alone,
+as under torchrun: a watchdog thread would take a malloc arena of its own before ``smp.init``
+(frontends/torch/runtime/heap.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -39,9 +44,9 @@ class RankFailure(AssertionError):
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str], args: Sequence[Any],
-           kwargs: Mapping[str, Any], results: Any, timeout: float) -> None:
-    # A rank still running shortly before the parent gives up prints where it is stuck.
-    faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False)
+           kwargs: Mapping[str, Any], results: Any) -> None:
+    # A rank still running when the parent gives up prints where it is stuck (`_dump_stacks`).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world)})
@@ -68,6 +73,17 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: Mapping[str, str]
             pass
 
 
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    """Have the ranks still running print their threads' stacks (faulthandler, to their stderr)."""
+    for p in procs:
+        if p.is_alive() and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.5)  # one at a time, so the dumps do not interleave
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -90,7 +106,7 @@ def run_ranks(
         child_env = {"SMP_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), "OMP_NUM_THREADS": "1",
                      "SMP_LOG_LEVEL": os.environ.get("SMP_LOG_LEVEL", "WARNING"), **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, child_env, tuple(args), dict(kwargs or {}),
-                                                   results, timeout), daemon=True) for r in range(world_size)]
+                                                   results), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         got: dict[int, tuple[str, Any]] = {}
@@ -121,6 +137,8 @@ def run_ranks(
             except queue.Empty:
                 break
             got[rank] = (status, pickle.loads(value) if status == "ok" else value)
+        if len(got) < world_size and not silent_death:
+            _dump_stacks([p for r, p in enumerate(procs) if r not in got])
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         for p in procs:

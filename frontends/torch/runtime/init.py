@@ -26,6 +26,7 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
+from .heap import share_heap
 from .process_state import KEPT
 
 logger = logging.getLogger("smp")
@@ -106,6 +107,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     # torch's own limit sits above ours, so smp's clearer timeout error (naming op and peers) fires first.
     timeout = timedelta(seconds=float(cfg.comm_timeout) * 1.5 + 10)
     backend, device, _ = _backend()
+    if device.type == "cpu":
+        share_heap()  # before gloo's and the engine's threads exist (heap.py)
     owns = launch.kind != "existing"
     if launch.kind == "single":
         dist.init_process_group("gloo" if backend == "gloo" else backend, store=dist.HashStore(), rank=0,

@@ -259,8 +259,12 @@ def _hang() -> None:
     time.sleep(600)
 
 
-def test_harness_times_out_instead_of_hanging() -> None:
+def test_harness_times_out_instead_of_hanging(capfd: pytest.CaptureFixture[str]) -> None:
     start = time.monotonic()
     with pytest.raises(RankFailure, match="did not finish within 3 s"):
         run_ranks(_hang, 2, timeout=3)
     assert time.monotonic() - start < 30
+    # Before they are killed, the stuck ranks print where they are.
+    err = capfd.readouterr().err
+    assert err.count("in _hang") == 2, err
+
