@@ -47,7 +47,9 @@ def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(kind: str, auto: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _pipelined(kind: str, auto: bool, split: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+    """``split``: the cut runs through the middle layer, between its attention (rank 0, with the
+    layer's own code and residual adds) and its MLP (rank 1), as automatic partitioning may cut."""
     import smp.torch as smp
 
     cfg: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": auto,
@@ -62,6 +64,11 @@ def _pipelined(kind: str, auto: bool) -> tuple[list[float], dict[str, torch.Tens
         layers = body.layers
         for layer in layers[len(layers) // 2:]:
             smp.set_partition(layer, 1)
+        if split:
+            middle = layers[len(layers) // 2 - 1]
+            for name in ("post_attention_layernorm", "mlp", "block_sparse_moe"):
+                if hasattr(middle, name):
+                    smp.set_partition(getattr(middle, name), 1)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
     @smp.step
@@ -75,15 +82,18 @@ def _pipelined(kind: str, auto: bool) -> tuple[list[float], dict[str, torch.Tens
         opt.zero_grad()
         losses.append(train_step(model, ids).reduce_mean().item())
         opt.step()
-    return losses, model.state_dict()
+    return losses, model.state_dict(), list(next(iter(model.plans.values())).chain)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt_neox", "mistral", "mixtral"])
 def test_hf_model_pipelined_matches_one_process(kind: str) -> None:
     ref_losses, ref_state = _reference(kind)
-    for auto in (False, True):
-        losses, state = run_ranks(_pipelined, 2, args=(kind, auto), timeout=180)[0]
+    chains = {}
+    for auto, split in ((False, False), (False, True), (True, False)):
+        losses, state, chains[auto, split] = run_ranks(_pipelined, 2, args=(kind, auto, split), timeout=180)[0]
         # microbatches of 2: the loss is the mean of per-microbatch means (equal token counts)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
         for name, value in ref_state.items():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # Cutting inside a layer adds no hop: the microbatch still goes 0 -> 1 (and back for the loss).
+    assert chains[False, True] == chains[False, False], chains

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from smp.torch.partitioning.trace import lower, trace
 from torch import nn
 
-from smp.partition import partition_tree
+from smp.partition import ModuleTree, partition_tree
 
 
 class _Net(nn.Module):
@@ -63,3 +64,35 @@ def test_no_work_after_the_model_adds_nothing() -> None:
     assert tr.last == "head" and tr.after < 0.01
     tr = trace(net, lambda: net(torch.randn(2, 8)), measure_time=False)
     assert tr.after == 0.0 and tr.time == {}
+
+
+def _opened(tree: ModuleTree, path: str) -> bool:
+    return not tree.node(path).atomic
+
+
+def test_layers_open_one_level_and_their_children_stay_whole() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     max_position_embeddings=32, use_cache=False)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    tree = lower(hf)
+    layer = "model.layers.0"
+    moe = f"{layer}.mlp"  # router + experts
+    assert _opened(tree, "") and _opened(tree, "model") and _opened(tree, "model.layers")
+    # A decoder layer may be cut between its attention and its MLP ...
+    assert _opened(tree, layer)
+    # ... but not inside them: the attention's projections and the MoE block's experts stay together.
+    assert not _opened(tree, f"{layer}.self_attn")
+    assert not _opened(tree, moe)
+
+
+def test_a_module_with_children_outside_containers_stays_whole() -> None:
+    inner = nn.Sequential(nn.Linear(2, 2))
+    block = nn.Module()
+    block.a, block.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    root = nn.Module()
+    root.block, root.inner = block, inner
+    tree = lower(root)
+    assert not _opened(tree, "block")  # its own forward interleaves a and b: kept whole
+    assert _opened(tree, "inner")
