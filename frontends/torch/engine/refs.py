@@ -23,7 +23,7 @@ from smp.errors import SMPError
 from .local import current_task
 from .wire import map_structure, walk
 
-__all__ = ["RemoteTensor", "resolve"]
+__all__ = ["RemoteTensor", "followed", "resolve"]
 
 _T = torch.Tensor
 # Answered from the reference's own metadata, without fetching the value.
@@ -89,6 +89,13 @@ def _owner_of(args: Any, kwargs: Any) -> RemoteTensor | None:
         return None
     remote = sum(r.numel() * r.element_size() for r in refs)
     return refs[0] if remote >= local else None
+
+
+def followed(args: Any, kwargs: Any) -> RemoteTensor | None:
+    """The reference whose rank code on ``args``/``kwargs`` runs on (`_owner_of`), when its
+    microbatch is between actions here; None when this rank must do the work itself."""
+    ref = _owner_of(args, kwargs)
+    return ref if ref is not None and ref.between_actions() else None
 
 
 def _reached_autograd(path: str, owner: int, grad: torch.Tensor) -> None:
@@ -172,8 +179,8 @@ class RemoteTensor(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if "out" not in kwargs and _runs_remotely(func):
-            ref = _owner_of(args, kwargs)
-            if ref is not None and ref.between_actions():
+            ref = followed(args, kwargs)
+            if ref is not None:
                 return ref._engine.remote_forward(ref.owner, f"<{getattr(func, '__name__', func)}>", None, args,
                                                   kwargs, func=func)
         args, kwargs = resolve((args, kwargs))

@@ -13,22 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..engine.engine import Engine, current_task
-from ..engine.refs import RemoteTensor
-from ..engine.wire import Transport, walk
+from ..engine.refs import followed
+from ..engine.wire import Transport
 
 __all__ = ["Dispatch"]
-
-
-def _on_a_peer(args: Any, kwargs: Any) -> bool:
-    """Whether every tensor argument is a reference whose value stays on its rank for now: a
-    stateless module's ops on them then run there (engine/refs.py), so this rank does no work
-    (GPT-NeoX's ``post_mlp_dropout`` on the output of an MLP on the next rank)."""
-    tensors = [x for x in walk((args, kwargs)) if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(isinstance(t, RemoteTensor) and t.between_actions() for t in tensors)
 
 
 class Dispatch:
@@ -55,7 +46,9 @@ class Dispatch:
         self._orig_forward[path] = orig
         owner = self.owner[path]
         is_seq = isinstance(m, nn.Sequential)
-        # No parameters or buffers (dropout, an activation): its code is glue, like a torch op.
+        # No parameters or buffers (dropout, an activation): its code is glue, and on references it
+        # follows them as a torch op does (engine/refs.py), e.g. GPT-NeoX's post_mlp_dropout on the
+        # output of an MLP on the next rank.
         stateless = next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -65,7 +58,7 @@ class Dispatch:
             assert self.engine is not None
             if owner != self.pp_rank:
                 return self.engine.remote_forward(owner, path, None, args, kwargs)
-            if (not task.holding or task.run_with is not None) and not (stateless and _on_a_peer(args, kwargs)):
+            if (not task.holding or task.run_with is not None) and not (stateless and followed(args, kwargs) is not None):
                 self.engine.settle(task)  # this rank works now: close a peer's open run, take our baton
             if is_seq and len(args) == 1 and not kwargs:
                 return self._run_sequential(path, m, args[0])

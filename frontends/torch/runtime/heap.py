@@ -12,7 +12,7 @@ So `init` caps the arenas at one on CPU before gloo's and the engine's threads e
 share the main heap, as a single-threaded loop does. (Arenas that threads started before
 ``smp.init`` already took stay in use: round robin with the main one.)
 
-Only on glibc, and only once per process. A cap the user chose (``MALLOC_ARENA_MAX`` or a
+Only on glibc. A cap the user chose (``MALLOC_ARENA_MAX`` or a
 ``glibc.malloc.arena_max`` tunable in ``GLIBC_TUNABLES``) is left as it is; ``SMP_MALLOC_ARENAS=keep``
 leaves glibc's default (one arena per thread, up to 8 per core).
 """
@@ -28,7 +28,6 @@ import platform
 __all__ = ["share_heap"]
 
 _M_ARENA_MAX = -8  # malloc.h
-_done = False
 log = logging.getLogger(__name__)
 
 
@@ -37,19 +36,13 @@ def _user_chose() -> bool:
             or os.environ.get("SMP_MALLOC_ARENAS", "").lower() == "keep")
 
 
-def share_heap() -> bool:
-    """Cap glibc's malloc arenas at one (see the module docstring); True when this call set it."""
-    global _done
-    if _done:
-        return False
-    _done = True
+def share_heap() -> None:
+    """Cap glibc's malloc arenas at one (see the module docstring); calling it again is harmless."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _user_chose():
-        return False
+        return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        ok = bool(libc.mallopt(_M_ARENA_MAX, 1))
+        ok = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(_M_ARENA_MAX, 1) == 1
     except (OSError, AttributeError):
         ok = False
     if not ok:
         log.debug("mallopt(M_ARENA_MAX, 1) failed: microbatch threads keep their own malloc arenas")
-    return ok
