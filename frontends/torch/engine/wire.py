@@ -1,16 +1,16 @@
 """Messages between pipeline ranks: a kind, a picklable skeleton, and the tensors sent raw.
 
-A message is at most two gloo sends. It starts with one fixed-size frame (`FRAME` bytes): a header
+A message is at most two gloo sends. It starts with one frame of at most `FRAME` bytes: a header
 (int64 x 6: kind, skeleton bytes, tensor count, microbatch, which tensors are in the frame,
 payload bytes), the pickled skeleton (the structure with every tensor replaced by a `Slot`) and
 the bytes of each tensor that still fits. What does not fit follows as one payload: the skeleton,
-then the remaining tensors back to back (a lone tensor is sent and received in place). A small
-message (a request whose arguments are references, a reply with metadata, a scalar) is one send.
+then the remaining tensors back to back (a lone tensor is sent and received in place). Requests,
+replies and the activations and gradients of a usual model fit the frame: one send each.
 Sends are what costs on a busy rank (each wakes the peer's gloo I/O thread beside its compute:
 `benchmarks/bench_pipeline.py --model threads`), so a message never costs more than two.
-One receiver thread per rank takes messages from any pipeline peer (gloo receive-from-any on the
-engine's own process group and tag) and queues them; senders hold the transport's lock so the
-parts of two messages never interleave.
+One receiver thread per rank takes messages from its pipeline peers (on the engine's own process
+group and tag) into one reused `FRAME`-sized buffer and queues them; senders hold the transport's
+lock so the parts of two messages never interleave.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ REPLIES = (FWD_REP, BWD_REP, FETCH_REP)
 
 TAG = 0x51D
 _HEAD = "<6q"  # kind, skeleton bytes, tensor count, microbatch, in-frame tensor mask, payload bytes
-FRAME = 8192  # bytes: one gloo message carries a small message whole
+FRAME = 4 << 20  # bytes: one gloo message carries a message of at most this size whole
 _HEAD_BYTES = struct.calcsize(_HEAD)
 _MASK_BITS = 63
 
@@ -143,13 +143,16 @@ class Transport:
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
+        self._frame: torch.Tensor | None = None  # the receiver's buffer, reused: messages are copied out of it
 
     def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = (),
              ended: Sequence[int] = ()) -> None:
         """Post a message to ``dst`` without waiting for it to leave, so compute goes on meanwhile.
 
-        A message is at most two gloo sends: the frame, then one payload part with whatever did not
-        fit (the skeleton, then the remaining tensors back to back; a lone tensor is sent as is).
+        A message is at most two gloo sends: the frame (only the bytes used), then one payload part
+        with whatever did not fit (the skeleton, then the remaining tensors back to back; a lone
+        tensor is sent as is). Tensors in the frame are copied into it: a copy costs less than the
+        second send, which waits for the receiver to post its buffer (gloo's rendezvous).
         Every send costs the peer's gloo I/O thread CPU time beside its compute, so the count matters
         more than the bytes. The parts are posted with ``isend`` in order (one peer's messages arrive
         in the order sent); the handles and tensors are kept until `flush`. The tensors must not be
@@ -160,27 +163,36 @@ class Transport:
         raw = pickle.dumps((body, specs, tuple(ended)), protocol=pickle.HIGHEST_PROTOCOL)
         data = [t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.detach().new_empty(0, dtype=torch.uint8)
                 for t in tensors]  # reshape copies only a non-contiguous tensor
-        frame = bytearray(FRAME)
         at = _HEAD_BYTES
         mask = 0  # bit i: tensor i travels in the frame
+        inside: list[torch.Tensor] = []
         rest: list[torch.Tensor] = []
         if at + len(raw) <= FRAME:
-            frame[at:at + len(raw)] = raw
             at += len(raw)
             for i, t in enumerate(data):
                 n = t.numel()
                 if i < _MASK_BITS and at + n <= FRAME:
-                    frame[at:at + n] = t.numpy().tobytes()
+                    inside.append(t)
                     at += n
                     mask |= 1 << i
                 elif n:
                     rest.append(t)
+            skeleton_in_frame = True
         else:
             rest = [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *(t for t in data if t.numel())]
+            skeleton_in_frame = False
         payload = rest[0] if len(rest) == 1 else torch.cat(rest) if rest else None
         size = 0 if payload is None else payload.numel()
-        frame[:_HEAD_BYTES] = struct.pack(_HEAD, kind, len(raw), len(tensors), microbatch, mask, size)
-        parts = [torch.frombuffer(frame, dtype=torch.uint8)] + ([payload] if payload is not None else [])
+        frame = torch.empty(at, dtype=torch.uint8)
+        view = frame.numpy()
+        view[:_HEAD_BYTES] = memoryview(struct.pack(_HEAD, kind, len(raw), len(tensors), microbatch, mask, size))
+        if skeleton_in_frame:
+            view[_HEAD_BYTES:_HEAD_BYTES + len(raw)] = memoryview(raw)
+            at = _HEAD_BYTES + len(raw)
+            for t in inside:
+                frame[at:at + t.numel()].copy_(t)
+                at += t.numel()
+        parts = [frame] + ([payload] if payload is not None else [])
         with self._lock:
             for t in parts:
                 self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
@@ -194,17 +206,21 @@ class Transport:
 
     def _receive_one(self) -> Message:
         """The next message from any peer: its frame, then its payload (if any) from the same peer."""
-        frame = torch.empty(FRAME, dtype=torch.uint8)
-        src = dist.recv(frame, None, group=self.group, tag=TAG)
-        buf = frame.numpy().tobytes()
-        kind, nbytes, ntensors, microbatch, mask, size = struct.unpack_from(_HEAD, buf)
+        if self._frame is None:
+            self._frame = torch.empty(FRAME, dtype=torch.uint8)
+        frame = self._frame
+        # One peer: a receive from it is posted before its send arrives, so gloo writes the message
+        # straight from the sender's call (a receive from any rank is a rendezvous: the sender's
+        # data waits for this side's go-ahead, written later by its I/O thread).
+        src = dist.recv(frame, self.peers[0] if len(self.peers) == 1 else None, group=self.group, tag=TAG)
+        kind, nbytes, ntensors, microbatch, mask, size = struct.unpack_from(_HEAD, frame[:_HEAD_BYTES].numpy())
         at = _HEAD_BYTES
         payload = torch.empty(0, dtype=torch.uint8)
         off = 0
         lone = -1  # the one tensor the payload holds, received straight into its own memory
         tensors: list[torch.Tensor | None] = []
         if at + nbytes <= FRAME:
-            body, specs, ended = pickle.loads(buf[at:at + nbytes])
+            body, specs, ended = pickle.loads(frame[at:at + nbytes].numpy().tobytes())
             at += nbytes
             tensors = [None] * len(specs)
             if size:
