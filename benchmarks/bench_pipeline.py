@@ -11,8 +11,8 @@ write them; one step = 8 microbatches of 2 sequences, the same data on every sid
 torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over the same layers
 (first half of the layers + embedding | second half + head); smp runs the SMP v1 script shape
 (``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
-``model.backward(loss)``) with the same cut through ``smp.set_partition`` and, for the loop models,
-also with ``auto_partition`` (SMP v1's default). One thread per rank, one launch per side and
+``model.backward(loss)``) with the same cut through ``smp.set_partition`` and also with ``auto_partition``
+(SMP v1's default). One thread per rank, one launch per side and
 schedule; printed per model: the single-process time, the 1F1B limit
 ``single / p * (m + p - 1) / m``, the floor of the hand cut (each torch stage's forward + backward
 of one microbatch timed alone in one process: no 2-stage schedule that keeps backward whole can
@@ -149,7 +149,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[Any, torch.Tensor], t
     "hf-llama": (_llama, lambda m, x: m(input_ids=x).logits, lambda m, r: _LlamaLayers(m, r == 0),
                  _cut_llama, "model.layers.4-7, model.norm, lm_head"),
 }
-SMP_CUTS = {"sequential": ("manual",), "modulelist": ("manual", "auto"), "hf-llama": ("manual", "auto")}
+SMP_CUTS = {"sequential": ("manual", "auto"), "modulelist": ("manual", "auto"), "hf-llama": ("manual", "auto")}
 
 
 # --- where a rank's CPU goes (``--model threads``) -------------------------------------------------------
