@@ -114,6 +114,7 @@ class DistributedModel(nn.Module):
         self._pending_loads: list[tuple[dict[str, Any], bool]] = []
         self._in_step = False
         self._tracing = False
+        self._traced_backward: list[tuple[Any, Any]] = []  # model.backward calls made while tracing
         self._steps = 0
         self._average: data_parallel.MicrobatchAverage | None = None  # set when partitioned
         self._join: UnevenInputs | None = None  # inside `with model.join():`
@@ -284,6 +285,7 @@ class DistributedModel(nn.Module):
         if not self._in_step:
             raise BwdExecutionNotInStepFnError("model.backward(loss) must run inside an @smp.step function")
         if self._tracing:
+            self._traced_backward.append((tensors, grad_tensors))  # the trace times it per module
             return
         from ..optimizer import scaled_for_backward
 
@@ -435,6 +437,10 @@ class DistributedModel(nn.Module):
             return
         self._saved_partition = check_saved_partition(self.module, assignment)
 
+    def _take_traced_backward(self) -> list[tuple[Any, Any]]:
+        taken, self._traced_backward = self._traced_backward, []
+        return taken
+
     @contextmanager
     def _tracing_scope(self) -> Iterator[None]:
         self._tracing = True
@@ -449,7 +455,8 @@ class DistributedModel(nn.Module):
                 logger.info("partition loaded from the checkpoint (not traced or recomputed)")
             self._apply_partition(self._saved_partition, None)
             return
-        assignment, part = decide_partition(self.module, self.cfg, first_microbatch, self._tracing_scope)
+        assignment, part = decide_partition(self.module, self.cfg, first_microbatch, self._tracing_scope,
+                                            self._take_traced_backward)
         self._apply_partition(assignment, part)
 
     def _apply_partition(self, assignment: dict[str, int], part: Any) -> None:

@@ -39,11 +39,16 @@ def check_saved_partition(module: nn.Module, assignment: dict[str, int],
 
 
 def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
-                     tracing: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, int], Any]:
+                     tracing: Callable[[], AbstractContextManager[Any]],
+                     traced_backward: Callable[[], list[tuple[Any, Any]]] | None = None,
+                     ) -> tuple[dict[str, int], Any]:
     """(assignment, manual partition or None) for ``module``; a collective under auto_partition.
 
     ``first_microbatch`` runs the step body on the first microbatch (for tracing); ``tracing()``
-    is the context the model is traced in (``smp.is_tracing()`` is true inside).
+    is the context the model is traced in (``smp.is_tracing()`` is true inside);
+    ``traced_backward()`` takes the ``model.backward`` calls the body made while tracing, which
+    the trace then times. Under tensor parallelism the backward is not traced: only rank 0 traces,
+    and a TP layer's backward would wait on its group.
     """
     if not cfg.auto_partition:
         scopes = manual_scopes(module, cfg)
@@ -62,7 +67,8 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
                         "traced; the partition follows parameter sizes and module counts")
         if not cfg.skip_tracing and not delayed:
             with tracing():
-                tr = trace(module, first_microbatch)
+                tp = getattr(cfg, "tensor_parallel_degree", 1)
+                tr = trace(module, first_microbatch, backward=traced_backward if tp == 1 else None)
         tree = lower(module, tr)
         part = auto_partition(tree, cfg)
         decision = rehome_sequential_stateless(module, dict(part.assignment))

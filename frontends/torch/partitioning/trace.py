@@ -4,12 +4,21 @@ The frontend translates, the core decides: this module turns an ``nn.Module`` tr
 automatic partitioning, a trace of one microbatch: execution order, time, output bytes) into the
 core's `ModuleTree`, and hands it to `partition_tree` (auto); the manual path resolves the same
 tree through `scopes.manual_scopes`.
+
+A module's time is its forward and, when the step body calls ``model.backward``, its backward:
+a pipeline stage pays both, and their ratio differs between modules (a language-model head and
+its loss cost more in backward, relative to their forward, than a decoder layer does), so
+forward times alone misplace the cut (the Llama of ``benchmarks/bench_pipeline.py``: rank 1
+at 52 % of the forward at the layer boundary, 55 % of forward and backward).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,6 +26,8 @@ from torch import nn
 
 from smp.partition import ModuleNode, ModuleTree, TreePartition, exclusive_compute, partition_tree
 from smp.structure import map_structure
+
+logger = logging.getLogger("smp")
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -38,6 +49,8 @@ class Trace:
     ``after`` is the step body's own work after the model returned (the loss on the logits) and
     ``last`` the module that finished last before it: that work runs where ``last``'s output
     lives (a torch op on a reference runs on its owner), so it is counted in ``last``'s time.
+    ``backward_time`` is each module's inclusive backward time (empty when the step body runs no
+    backward) and ``after_backward`` the backward of the step body's own work (the loss's).
     """
 
     def __init__(self) -> None:
@@ -46,43 +59,159 @@ class Trace:
         self.output_bytes: dict[str, int] = {}
         self.after = 0.0
         self.last: str | None = None
+        self.backward_time: dict[str, float] = {}
+        self.after_backward = 0.0
 
 
-def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True) -> Trace:
-    """Run ``run()`` (one microbatch of the step) with hooks on every module of ``root``."""
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_structure(obj, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
+    return found
+
+
+class _BackwardClock:
+    """Times each module call's backward: from the first gradient of its outputs to the last of its inputs.
+
+    Hooks on the call's tensors fire as autograd produces their gradients. A call whose inputs
+    need no gradient (an embedding of token ids) ends when the last of its parameters that no
+    other module uses has its gradient; a tied weight's gradient is complete only after every
+    user's backward, so it says nothing about this one. The gradients of the traced backward are
+    dropped as they arrive (one parameter's at a time is held), and the ones held before are
+    put back.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.calls: list[tuple[str, nn.Module, list[float]]] = []  # (path, module, [start, end])
+        self._open: dict[str, list[list[float]]] = {}
+        self._done: dict[int, float] = {}  # id(param) -> when its gradient was accumulated
+        users: dict[int, int] = {}
+        for m in root.modules():
+            for p in m.parameters(recurse=False):
+                users[id(p)] = users.get(id(p), 0) + 1
+        self._tied = {k for k, n in users.items() if n > 1}
+        self._params = [p for p in root.parameters() if p.requires_grad]
+
+    def pre(self, path: str, args: Any, kwargs: Any) -> None:
+        span = [math.inf, -math.inf]
+        self._open.setdefault(path, []).append(span)
+        for t in _tensors((args, kwargs)):
+            if t.requires_grad:
+                t.register_hook(partial(self._at_end, span))
+
+    def post(self, path: str, module: nn.Module, out: Any) -> None:
+        span = self._open[path].pop()
+        self.calls.append((path, module, span))
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(partial(self._at_start, span))
+
+    @staticmethod
+    def _at_start(span: list[float], _grad: torch.Tensor) -> None:
+        span[0] = min(span[0], time.perf_counter())
+
+    @staticmethod
+    def _at_end(span: list[float], _grad: torch.Tensor) -> None:
+        span[1] = max(span[1], time.perf_counter())
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        self._done[id(p)] = time.perf_counter()
+        p.grad = None
+
+    def run(self, pending: list[tuple[Any, Any]], tr: Trace) -> None:
+        """Run the step body's backward calls, then fill ``tr.backward_time`` and ``after_backward``."""
+        held = [(p, p.grad) for p in self._params]
+        handles = []
+        try:
+            for p in self._params:
+                p.grad = None
+                handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+            began = time.perf_counter()
+            for tensors, grads in pending:
+                torch.autograd.backward(tensors, grads)
+        finally:
+            for h in handles:
+                h.remove()
+            for p, g in held:
+                p.grad = g
+        for path, module, (start, end) in self.calls:
+            if end == -math.inf:
+                own = [self._done[id(p)] for p in module.parameters()
+                       if id(p) in self._done and id(p) not in self._tied]
+                end = max(own, default=-math.inf)
+            if start < math.inf and end >= start:
+                tr.backward_time[path] = tr.backward_time.get(path, 0.0) + (end - start)
+        last = [span[0] for path, _, span in self.calls if path == tr.last]
+        if last and last[-1] < math.inf:
+            tr.after_backward = max(0.0, last[-1] - began)
+
+
+def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True,
+          backward: Callable[[], list[tuple[Any, Any]]] | None = None) -> Trace:
+    """Run ``run()`` (one microbatch of the step) with hooks on every module of ``root``.
+
+    ``backward()`` returns the ``(tensors, grad_tensors)`` of the ``model.backward`` calls the
+    step body made since the last call (``model.backward`` only records them while tracing).
+    With it the measured run keeps grad on and then runs that backward, timed per module (SMP
+    v1 traced without grad: forward times only). A forward that runs out of memory with grad on
+    is traced again without, and a backward that fails (out of memory, a loss without grad) leaves
+    forward times only; either says so in the log.
+    """
     tr = Trace()
     with torch.no_grad():
         run()  # warm-up: first calls pay one-time costs that would skew the measured compute
+    if backward is not None:
+        backward()  # the warm-up's, made under no_grad
+    clock = _BackwardClock(root) if backward is not None and measure_time else None
     starts: dict[str, list[float]] = {}
     handles = []
     last = ""  # the module that finished last
     root_done, before_root = 0.0, ""  # when the root last returned, and what finished just before it
     for path, module in root.named_modules():
-        def pre(_m: nn.Module, _a: Any, path: str = path) -> None:
+        def pre(_m: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
             tr.order.setdefault(path, len(tr.order))
+            if clock is not None:
+                clock.pre(path, args, kwargs)
             starts.setdefault(path, []).append(time.perf_counter())
 
-        def post(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+        def post(m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
             nonlocal last, root_done, before_root
             now = time.perf_counter()
             tr.time[path] = tr.time.get(path, 0.0) + (now - starts[path].pop())
             tr.output_bytes[path] = tr.output_bytes.get(path, 0) + _tensor_bytes(out)
+            if clock is not None:
+                clock.post(path, m, out)
             if path:
                 last = path
             else:
                 root_done, before_root = now, last
 
-        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
     try:
-        with torch.no_grad():
+        with torch.enable_grad() if clock is not None else torch.no_grad():
             run()
         end = time.perf_counter()
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        if clock is None:
+            raise
+        if backward is not None:
+            backward()  # drop the half-made graph
+        logger.warning("automatic partition: one microbatch with its backward does not fit for the trace; "
+                       "the partition follows forward times only (traced without grad)")
+        return trace(root, run, measure_time=measure_time)
     finally:
         for h in handles:
             h.remove()
     if before_root:
         tr.after, tr.last = end - root_done, before_root
+    pending = backward() if backward is not None else []
+    if clock is not None and pending:
+        try:
+            clock.run(pending, tr)
+        except (RuntimeError, MemoryError) as e:
+            logger.warning("automatic partition: the traced backward failed (%s); the partition "
+                           "follows forward times only", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            tr.backward_time, tr.after_backward = {}, 0.0
     if not measure_time:
         tr.time, tr.after = {}, 0.0
     return tr
@@ -117,8 +246,11 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
         kids.sort(key=lambda k: first.get(k, float("inf")))
         children[path] = tuple(kids)
     compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
+    if compute and tr is not None and tr.backward_time:
+        for path, own in exclusive_compute(tr.backward_time, children).items():
+            compute[path] = compute.get(path, 0.0) + own
     if compute and tr is not None and tr.last in compute:
-        compute[tr.last] += tr.after  # the step body's loss runs where the model's output is
+        compute[tr.last] += tr.after + tr.after_backward  # the step body's loss runs where the model's output is
     for path, module in modules.items():
         # A container's own time is the Python loop around its children (and our hooks): overhead
         # that runs wherever its children run, not work to place.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from smp.torch.partitioning.trace import lower, trace
 from torch import nn
 
 from smp.partition import ModuleTree, partition_tree
+from tests.helpers.spawn import run_ranks
 
 
 class _Net(nn.Module):
@@ -96,3 +98,156 @@ def test_a_module_with_children_outside_containers_stays_whole() -> None:
     tree = lower(root)
     assert not _opened(tree, "block")  # its own forward interleaves a and b: kept whole
     assert _opened(tree, "inner")
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``seconds`` (a head whose backward outweighs its forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _busy(ctx.seconds)
+        return grad, None
+
+
+class _SlowLinear(nn.Linear):
+    """A layer of 5 ms forward (when ``timed``) and next to no backward."""
+
+    timed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.timed:
+            _busy(0.005)
+        return super().forward(x)
+
+
+class _SlowHead(nn.Linear):
+    """A head that is free forward and takes ``seconds`` backward."""
+
+    seconds = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_SlowBackward.apply(x, self.seconds))
+
+
+class _HeavyBackwardNet(nn.Module):
+    """Four layers of 5 ms forward each; a head that is free forward and takes 100 ms backward."""
+
+    def __init__(self, timed: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_SlowLinear(8, 8) for _ in range(4))
+        for layer in self.layers:
+            layer.timed = timed
+        self.head = _SlowHead(8, 8)
+        self.head.seconds = 0.1 if timed else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _rank1(part: Any) -> list[str]:
+    return [p for p, r in part.assignment.items() if r == 1 and p]
+
+
+def test_the_traced_backward_counts_where_the_forward_alone_would_not() -> None:
+    net = _HeavyBackwardNet()
+    x = torch.randn(2, 8)
+    kept = torch.ones_like(net.layers[0].weight)
+    net.layers[0].weight.grad = kept  # a gradient the user holds before the first step
+    pending: list[tuple[Any, Any]] = []
+
+    def body() -> None:
+        pending.append((net(x).sum(), None))  # what model.backward(loss) records while tracing
+
+    def taken() -> list[tuple[Any, Any]]:
+        out = pending[:]
+        pending.clear()
+        return out
+
+    forward_only = trace(net, body)
+    pending.clear()
+    both = trace(net, body, backward=taken)
+    assert forward_only.backward_time == {}
+    assert both.backward_time["head"] >= 0.1 > both.backward_time["layers.0"]
+    # Forward alone: the head weighs nothing, the cut splits the layers 2 | 2 + head. With the
+    # backward the head (100 ms) outweighs the four layers (20 ms): it goes to rank 1 alone.
+    assert _rank1(partition_tree(lower(net, forward_only), 2, memory_weight=0.0)) == ["layers.2", "layers.3", "head"]
+    assert _rank1(partition_tree(lower(net, both), 2, memory_weight=0.0)) == ["head"]
+    # The traced backward leaves no gradient behind and puts back the one that was there.
+    assert net.layers[0].weight.grad is kept and torch.equal(kept, torch.ones_like(kept))
+    assert all(p.grad is None for name, p in net.named_parameters() if name != "layers.0.weight")
+
+
+def test_a_backward_that_fails_leaves_forward_times() -> None:
+    net = _Net()
+
+    def body() -> None:
+        net(torch.randn(2, 8))
+
+    tr = trace(net, body, backward=lambda: [(torch.zeros(()), None)])  # a "loss" without grad
+    assert tr.backward_time == {} and tr.time["head"] > 0
+
+
+def _auto_heavy_head() -> tuple[list[str], list[float], dict[str, torch.Tensor]]:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": True, "comm_timeout": 60.0})
+    torch.manual_seed(0)
+    net = _HeavyBackwardNet()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(2):
+        opt.zero_grad()
+        losses.append(train(model, torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).reduce_mean().item())
+        grads = {n: p.grad.clone() for n, p in model.local_named_parameters()}
+        opt.step()
+    rank1 = [p for p, r in model.partition_assignment.items() if r == 1 and p]
+    return rank1, losses, grads
+
+
+def test_automatic_partition_times_the_step_bodys_backward_and_keeps_the_numbers() -> None:
+    (rank1, losses, grads0), (_, _, grads1) = run_ranks(_auto_heavy_head, 2, timeout=120)
+    assert rank1 == ["head"]  # placed by its 100 ms backward (its forward is free)
+    torch.manual_seed(0)
+    net = _HeavyBackwardNet(timed=False)  # the same weights, without the waits
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref = []
+    for step in range(2):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = sum(net(half).square().mean() for half in x.chunk(2)) / 2
+        loss.backward()
+        ref.append(loss.item())
+        if step == 0:
+            opt.step()
+    assert losses == pytest.approx(ref, rel=1e-6)
+    # The trace's backward left nothing in the first step's gradients: the last step's match.
+    for name, g in {**grads0, **grads1}.items():
+        torch.testing.assert_close(g, dict(net.named_parameters())[name].grad)
+
+
+def test_a_forward_out_of_memory_with_grad_is_traced_again_without() -> None:
+    net = _Net()
+    x = torch.randn(2, 8)
+
+    def body() -> None:
+        if torch.is_grad_enabled():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (the test's)")
+        net(x)
+
+    tr = trace(net, body, backward=lambda: [])
+    assert tr.backward_time == {} and tr.time["head"] > 0 and tr.last == "head"
