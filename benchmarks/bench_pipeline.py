@@ -375,7 +375,7 @@ def bench(name: str, steps: int, warmup: int) -> None:
     launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
         ("torch.distributed.pipelining", theirs, (name, s, steps, warmup)) for s in ("1f1b", "gpipe")]
     launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup))
-                 for cut in SMP_CUTS[name] for s in ("1f1b", "interleaved", "simple")]
+                 for cut in SMP_CUTS[name] for s in ("1f1b", "zb_h1", "interleaved", "simple")]
     for label, fn, args in launches:
         out = run_ranks(fn, 2, args=args, env=env, timeout=900)
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))

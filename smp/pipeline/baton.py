@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from smp.errors import CommTimeoutError
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"  # WEIGHT: a split backward's weight gradients (zero bubble)
 
 
 class Baton:

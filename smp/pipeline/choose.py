@@ -1,8 +1,11 @@
 """Choose a rank's executable plan: from the recorded chain and measured durations to (kind, microbatch) lists.
 
-An executor sees a rank's plan as ``(kind, microbatch)`` pairs with kind ``"F"`` or ``"B"``: a
-frontend's autograd computes weight and input gradients in one backward, so a plan's ``W`` actions
-vanish and its ``I`` actions become ``B``. An action is named by ``(kind, ordinal)`` when the
+An executor sees a rank's plan as ``(kind, microbatch)`` pairs with kind ``"F"``, ``"B"`` or ``"W"``.
+A zero-bubble plan's ``W`` actions (weight gradients, run later than the input gradient ``I``)
+stay apart only in a rank's cool-down (`smp.pipeline.weights.cooldown_weights`) and only where the
+executor can split a backward (``split_weights``): a rank the chain visits once and that is not the
+step body's (``chain[0]``: its backward is the user's ``model.backward``). Every other ``W`` joins
+its ``I`` as one ``B`` (one backward computes both). An action is named by ``(kind, ordinal)`` when the
 chain visits a rank more than once: the ordinal counts earlier actions of that kind for the same
 microbatch on this rank. Actions measured as *light* run beside the baton holder instead of
 taking the baton.
@@ -27,8 +30,9 @@ from typing import NamedTuple
 from smp.config import PipelineSection
 from smp.pipeline.costs import Costs
 from smp.pipeline.registry import build_plan
+from smp.pipeline.weights import cooldown_weights
 
-__all__ = ["RankPlan", "rank_plan", "segment_costs"]
+__all__ = ["RankPlan", "rank_plan", "segment_costs", "splits"]
 
 Step = tuple[str, int]
 
@@ -46,7 +50,7 @@ class RankPlan(NamedTuple):
 
 def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool, pp_rank: int,
               light: Collection[tuple[str, int]], costs: Costs | None = None, *,
-              forward_active: int) -> RankPlan:
+              forward_active: int, split_weights: bool = False) -> RankPlan:
     """Rank ``pp_rank``'s plan for a step whose microbatches visit ``chain``.
 
     Args:
@@ -58,6 +62,8 @@ def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool
         costs: measured segment costs the dynamic rules are simulated with (`segment_costs`).
         forward_active: the in-flight cap of a forward-only step (the config's
             ``active_microbatches``, whatever the schedule).
+        split_weights: the executor can run a backward's weight gradients as a later action; a
+            zero-bubble plan then keeps this rank's cool-down ``W`` actions where `splits` allows them.
 
     Raises:
         ScheduleError: the schedule cannot be built for this chain (the caller falls back to
@@ -67,15 +73,14 @@ def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool
     active = section.active_microbatches if has_backward else forward_active
     plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active,
                       costs=costs)
+    plan = cooldown_weights(plan, {pp_rank} if split_weights and splits(chain, pp_rank) else ())
     baton: list[Step] = []
     every: list[Step] = []
     lights: list[Step] = []
     seen: dict[Step, int] = {}
     for a in plan.actions[pp_rank]:
         kind = str(a.kind)
-        if kind == "W":  # autograd computes weight and input gradients together
-            continue
-        kind = "B" if kind in ("B", "I") else "F"
+        kind = "W" if kind == "W" else "B" if kind in ("B", "I") else "F"
         ordinal = seen.get((kind, a.microbatch), 0)
         seen[(kind, a.microbatch)] = ordinal + 1
         every.append((kind, a.microbatch))
@@ -84,6 +89,20 @@ def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool
         else:
             baton.append((kind, a.microbatch))
     return RankPlan(baton, every, lights)
+
+
+def splits(chain: Sequence[int], pp_rank: int) -> bool:
+    """Whether rank ``pp_rank`` may run a zero-bubble plan's ``W`` actions apart from their ``I``.
+
+    Only a rank whose one backward per microbatch is a request from another rank: it runs the W
+    of a microbatch after that request's reply, and a second visit's I could be planned before
+    it. The step body's rank (``chain[0]``) runs ``model.backward`` as a whole.
+
+    Example:
+        >>> splits([0, 1], 1), splits([0, 1], 0), splits([0, 1, 0, 1], 1)
+        (True, False, False)
+    """
+    return bool(chain) and pp_rank != chain[0] and list(chain).count(pp_rank) == 1
 
 
 def segment_costs(chain: Sequence[int], per_rank: Sequence[Mapping[tuple[str, int], float]]) -> Costs | None:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from smp.errors import RemoteRankError, SMPError
-from smp.pipeline.baton import BACKWARD, FORWARD, Baton
+from smp.pipeline.baton import BACKWARD, FORWARD, WEIGHT, Baton
 
 from ..runtime import failure
 from .local import current_task, set_task
@@ -165,10 +165,14 @@ class Engine(Requester, Owner):
         self.keep_remote = True
         # Per (call number, module): the arguments' signature and the reply of the last open-run call.
         self.predicted: dict[tuple[int, str], tuple[bytes, dict[str, Any]]] = {}
+        # Microbatches whose weight gradients this step's plan runs as an action of their own after
+        # their backward request (zero-bubble schedules; Note [weight gradients later] in owner.py).
+        self.weight_later: set[int] = set()
 
     # --- baton with timeline -----------------------------------------------------------------
 
     def _acquire(self, task: Task, kind: str, *, new: bool = False) -> None:
+        """Take this rank's baton for the task's next ``kind`` action (a light one runs beside the holder)."""
         assert self.baton is not None
         ordinal = task.counts.get(kind, 0)
         task.counts[kind] = ordinal + 1
@@ -177,7 +181,8 @@ class Engine(Requester, Owner):
         if not light:
             self.baton.acquire(kind, task.microbatch, new=new)
         task.holding = True
-        task.trail.append(self.pp_rank)
+        if kind != WEIGHT:  # a weight-gradient action is no visit: control stays with the caller
+            task.trail.append(self.pp_rank)
         ev = Event(kind, task.microbatch, time.time(), ordinal=ordinal, light=light)
         self._open[task.microbatch] = ev
         self.events.append(ev)

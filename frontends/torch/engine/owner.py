@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from smp.pipeline.baton import BACKWARD, FORWARD
+from smp.pipeline.baton import BACKWARD, FORWARD, WEIGHT
 
+from .split import WeightGrads, backward_input
 from .task import Alias, Task, ref_or_value
 from .wire import BWD_REP, FETCH_REP, FWD_REP, Cached, Message, Out, Ref, Slot, map_structure
 
@@ -118,8 +119,14 @@ class Owner:
         key = body["key"]
         kept = [task.values[key].detach()] if body["value"] else []
         task.exported.discard(key)
-        # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
-        torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
+        # Note [weight gradients later]: when this rank's plan runs this microbatch's weight
+        # gradients as an action of their own (zero bubble), this action computes only the gradients
+        # the caller waits for, and the weights' part runs when the plan says.
+        split = task.microbatch in self.weight_later and not held and not task.exported  # its last backward here
+        later = self._backward_input(task, key, msg.tensors[0]) if split else None
+        if later is None:
+            # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
+            torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
         grads = []
         for leaf_id in body["deps"]:
             leaf = task.leaves.get(tuple(leaf_id))
@@ -133,3 +140,22 @@ class Owner:
                                                           "trail": task.trail}, [g for g in grads if g is not None] + kept)
         if not held:
             self._release(task)
+        if split:
+            self._acquire(task, WEIGHT)
+            if later is not None:
+                later.run()
+            self._release(task)
+
+    def _backward_input(self, task: Task, key: Any, grad: torch.Tensor) -> WeightGrads | None:
+        """The input half of a split backward of ``task.values[key]``: the received tensors' gradients
+        land in their ``.grad`` as a whole backward would put them; returns the weights' half (None:
+        this graph does not split, nothing ran)."""
+        leaves = [t for t in task.leaves.values() if t.requires_grad]
+        split = backward_input([task.values[key]], [grad], leaves)
+        if split is None:
+            return None
+        grads, later = split
+        for leaf, g in zip(leaves, grads, strict=True):
+            if g is not None:
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
+        return later

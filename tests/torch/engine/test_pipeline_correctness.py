@@ -19,6 +19,9 @@ import pytest
 import torch
 
 from smp.pipeline import SCHEDULES
+from smp.pipeline.choose import splits
+from smp.pipeline.registry import build_plan
+from smp.pipeline.weights import cooldown_weights
 from tests.helpers.spawn import run_ranks
 from tests.torch import zoo
 from tests.torch.launch_cases import Case, naming, run_cases
@@ -96,7 +99,8 @@ def _train(kind: str, pp: int, dp: int, microbatches: int,
         local = sorted(n for n, _ in model.local_named_parameters())
         out.append({"variant": (pipeline, auto, virtual_stages), "losses": losses, "state": state, "local": local,
                     "fallbacks": list(fallbacks.messages),
-                    "timeline": [(e.kind, e.microbatch) for e in model.last_timeline]})
+                    "timeline": [(e.kind, e.microbatch) for e in model.last_timeline],
+                    "chain": list(next(iter(model.plans.values())).chain)})
         smp.reset()
     logging.getLogger("smp").removeHandler(fallbacks)
     return out
@@ -156,9 +160,10 @@ SCHEDULE_CASES = [("mlp", 2), ("pingpong", 2), ("gpt", 3)]
 
 @pytest.mark.parametrize("kind,pp", SCHEDULE_CASES, ids=[f"{k}-pp{p}" for k, p in SCHEDULE_CASES])
 def test_every_schedule_runs_its_plan_and_matches_single_process(kind: str, pp: int) -> None:
-    """The engine maps each plan's actions onto its own (zero-bubble's I runs as a full backward, W
-    is part of it): a wrong mapping makes a rank ask for an action its plan does not have next,
-    which falls back to the dynamic order (numbers still right), so no fallback may happen."""
+    """The engine maps each plan's actions onto its own (zero-bubble's I and W run apart on a rank the
+    chain visits once, after the first: `splits`; elsewhere I is a full backward and W part of it):
+    a wrong mapping makes a rank ask for an action its plan does not have next, which falls back to
+    the dynamic order (numbers still right), so no fallback may happen."""
     ref_losses, ref_state = zoo.reference(kind, STEPS)
     # The MLP runs every schedule (and the automatic looped partition); the other chains skip what
     # the matrix above already runs on them (SMP v1's rules, manual placement, same pp).
@@ -169,9 +174,22 @@ def test_every_schedule_runs_its_plan_and_matches_single_process(kind: str, pp: 
     results = run_ranks(_train, pp, args=(kind, pp, 1, 4, variants, kind == "mlp"), timeout=300)
     assert [r["variant"] for r in results[0]] == variants
     _check_numbers(kind, results, ref_losses, ref_state)
+    split_seen: set[int] = set()
     for rank, per_rank in enumerate(results):
         for res in per_rank:
             assert not res["fallbacks"], (kind, res["variant"], rank, res["fallbacks"])
             # The last step ran a forward and a backward of every microbatch on this rank.
             for mb in range(4):
                 assert ("F", mb) in res["timeline"] and ("B", mb) in res["timeline"], (res["variant"], rank)
+            # Weight gradients ran as actions of their own where the plan has them (the cool-down of
+            # a rank that splits), and only there.
+            apart = res["variant"][0] in ("zb_h1", "zb_v") and splits(res["chain"], rank)
+            planned = cooldown_weights(build_plan(res["variant"][0], pp, 4, chain=res["chain"]), {rank})
+            want = [a.microbatch for a in planned.actions[rank] if str(a.kind) == "W"] if apart else []
+            assert want or not apart
+            assert [mb for k, mb in res["timeline"] if k == "W"] == want, (
+                res["variant"], rank, res["chain"], res["timeline"])
+            if apart:
+                split_seen.add(rank)
+    # The GPT's chain 0 -> 1 -> 0 -> 2 -> 0 (its head shares the embedding's weight) splits on ranks 1 and 2.
+    assert split_seen == ({1, 2} if kind == "gpt" else set()), (kind, split_seen)
