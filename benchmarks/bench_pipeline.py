@@ -20,12 +20,13 @@ finish a step in less than ``m * max + min``), and per row the median step time 
 what runs on rank 1 and, for smp, the microbatch chain recorded on the first step.
 
 ``--model latency`` prints the engine's own cost per cross-rank call (a tiny tensor), which
-``all`` prints first; ``--model threads`` shows where each rank's CPU goes on the Llama hand cut,
+``all`` prints first; ``--model split`` what a backward split in two parts costs against one
+(the zero-bubble W actions, one process, the Llama's stage 1); ``--model threads`` shows where each rank's CPU goes on the Llama hand cut,
 torch 1F1B against smp 1f1b: the CPU of all threads, of the threads that run the model and of
 gloo's TCP I/O thread, involuntary context switches, page faults, and the sends and bytes each
 rank posts per step.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|sequential|modulelist|hf-llama]
+    .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|split|sequential|modulelist|hf-llama]
         [--steps 8] [--warmup 2]
 """
 
@@ -470,9 +471,47 @@ def threads(name: str, steps: int, warmup: int) -> None:
                   f"| {p['nivcsw']:.0f} | {p['minflt']:.0f} | {p['sends']:.0f} | {p['kb']:.0f} |", flush=True)
 
 
+def split_cost(name: str, steps: int, warmup: int) -> None:
+    """One process, one thread: one backward of torch's stage 1 against the same backward in two
+    parts (input pass, then weight pass), as smp's zero-bubble W actions run it (engine/split.py)."""
+    from smp.torch.engine.split import backward_input
+
+    build, _, stage_of, _, _ = MODELS[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build()
+    first, second = stage_of(model, 0), stage_of(model, 1)
+    whole: list[float] = []
+    parts: tuple[list[float], list[float]] = ([], [])
+    for step, (x, y) in enumerate(_data(steps + warmup)):
+        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+            with torch.no_grad():
+                h = first(xm)
+            for split in (False, True):
+                hin = h.clone().requires_grad_()
+                loss = lm_loss(second(hin), ym) / M
+                start = time.perf_counter()
+                if not split:
+                    loss.backward()
+                    if step >= warmup:
+                        whole.append(time.perf_counter() - start)
+                    continue
+                got = backward_input([loss], [torch.ones_like(loss)], [hin])
+                assert got is not None, "this stage's graph does not split"
+                mid = time.perf_counter()
+                got[1].run()
+                if step >= warmup:
+                    parts[0].append(mid - start)
+                    parts[1].append(time.perf_counter() - mid)
+    w, i, wt = (statistics.median(v) * 1e3 for v in (whole, *parts))
+    print(f"\nbackward of one microbatch through torch's stage 1 of {name} (one process, one thread, median): "
+          f"whole {w:.1f} ms; split: input pass {i:.1f} + weight pass {wt:.1f} = {i + wt:.1f} ms "
+          f"({(i + wt) / w:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["all", "latency", "threads", *MODELS], default="all")
+    parser.add_argument("--model", choices=["all", "latency", "threads", "split", *MODELS], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -480,6 +519,9 @@ def main() -> None:
         latency()
     if args.model == "threads":
         threads("hf-llama", args.steps, args.warmup)
+        return
+    if args.model == "split":
+        split_cost("hf-llama", args.steps, args.warmup)
         return
     for name in MODELS if args.model == "all" else [] if args.model == "latency" else [args.model]:
         bench(name, args.steps, args.warmup)

@@ -26,7 +26,7 @@ import torch
 
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
-from smp.pipeline.baton import WEIGHT, Baton
+from smp.pipeline.baton import Baton
 from smp.pipeline.choose import rank_plan, segment_costs
 from smp.step import StepSpec, aggregate_outputs, split_arguments
 from smp.structure import map_structure
@@ -97,8 +97,6 @@ class StepFunction:
         # A plan that waits longer than a few recorded steps for an action lost track of a microbatch
         # (one that skipped a planned visit here); the dynamic rule takes over (Baton.stall_s).
         stall = None if plan is None else min(float(cfg.comm_timeout) / 2, max(2.0, 3 * recorded.seconds))
-        # Microbatches whose weight gradients this rank's plan runs as a later action (zero bubble).
-        engine.weight_later = {mb for kind, mb in expected or () if kind == WEIGHT}
         baton = Baton(plan, policy, active, float(cfg.comm_timeout),
                       on_fallback=engine.notify_dynamic, expected=expected, light_plan=lights, stall_s=stall)
         leader = model.pp_rank == 0

@@ -69,6 +69,16 @@ class Baton:
             for kind, mb in (expected if expected is not None else self.plan):
                 self._expected.setdefault(mb, []).append(kind)
 
+    def next_planned(self, mb: int) -> str | None:
+        """The kind of microbatch ``mb``'s next planned action on this rank (None: none, or no plan).
+
+        An owner asks it after a backward: ``WEIGHT`` next means the plan runs that backward's weight
+        gradients as an action of their own (zero bubble).
+        """
+        with self._cv:
+            expected = self._expected.get(mb) if self.plan is not None else None
+            return expected[0] if expected else None
+
     @property
     def dynamic(self) -> bool:
         return self.plan is None

@@ -165,9 +165,6 @@ class Engine(Requester, Owner):
         self.keep_remote = True
         # Per (call number, module): the arguments' signature and the reply of the last open-run call.
         self.predicted: dict[tuple[int, str], tuple[bytes, dict[str, Any]]] = {}
-        # Microbatches whose weight gradients this step's plan runs as an action of their own after
-        # their backward request (zero-bubble schedules; Note [weight gradients later] in owner.py).
-        self.weight_later: set[int] = set()
 
     # --- baton with timeline -----------------------------------------------------------------
 

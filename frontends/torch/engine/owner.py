@@ -119,10 +119,11 @@ class Owner:
         key = body["key"]
         kept = [task.values[key].detach()] if body["value"] else []
         task.exported.discard(key)
-        # Note [weight gradients later]: when this rank's plan runs this microbatch's weight
-        # gradients as an action of their own (zero bubble), this action computes only the gradients
-        # the caller waits for, and the weights' part runs when the plan says.
-        split = task.microbatch in self.weight_later and not held and not task.exported  # its last backward here
+        # When this rank's plan runs this microbatch's weight gradients as an action of their own
+        # (zero bubble: smp/pipeline/weights.py), this action computes only the gradients the caller
+        # waits for, and the weights' part runs when the plan says (split.py).
+        assert self.baton is not None
+        split = not held and not task.exported and self.baton.next_planned(task.microbatch) == WEIGHT
         later = self._backward_input(task, key, msg.tensors[0]) if split else None
         if later is None:
             # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).

@@ -13,8 +13,9 @@ branch joins it (a linear layer's ``AddmmBackward``: one output goes to the inpu
 weight). `backward_input` runs ``autograd.grad`` towards the received tensors only, so those nodes
 compute only their input-side outputs, and a pre-hook keeps the gradient that reached each of
 them. `WeightGrads.run` later starts from those kept gradients and runs backward towards the
-weights, which accumulate into ``.grad`` through their usual accumulators (hooks included): the
-same kernels as one backward, each run once.
+weights, which accumulate into ``.grad`` through their usual accumulators (hooks included): each
+output of each node is computed once, as in one backward (the entry nodes run in both passes,
+each time for other outputs).
 
 Not every graph splits. `backward_input` returns None (run one whole backward instead) when the
 graph has an end that is not a leaf tensor, when a custom autograd function (a value fetched from a
@@ -36,12 +37,8 @@ from torch.autograd.graph import GradientEdge, Node
 __all__ = ["WeightGrads", "backward_input"]
 
 
-def _accumulator(t: torch.Tensor) -> Node | None:
-    """The node that a leaf tensor's gradient ends in (its grad accumulator), or its grad_fn."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if not t.requires_grad:
-        return None
+def _accumulator(t: torch.Tensor) -> Node:
+    """The node that a leaf tensor's gradient ends in (its grad accumulator)."""
     with torch.enable_grad():
         view = t.view_as(t)
     assert view.grad_fn is not None
@@ -121,9 +118,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return None
     input_nodes: dict[Node, int] = {}
     for i, t in enumerate(inputs):
-        node = _accumulator(t) if t.requires_grad and t.grad_fn is None else None
-        if node is not None:
-            input_nodes.setdefault(node, i)
+        if t.requires_grad and t.grad_fn is None:
+            input_nodes.setdefault(_accumulator(t), i)
     # The graph, and its edges reversed (towards the outputs).
     parents: dict[Node, list[Node]] = {}
     children: dict[Node, list[Node]] = {}
@@ -173,10 +169,10 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                                {n: [k for k in children.get(n, ()) if k in toward] for n in toward})
     if any(isinstance(n, BackwardCFunction) for n in rerun):
         return None
-    plan = [(list(entries), [None] * len(entries), [w.variable for w in ws]) for entries, ws in groups]
+    parts = [(list(entries), [None] * len(entries), [w.variable for w in ws]) for entries, ws in groups]
     handles = []
     try:
-        for nodes, kept, _ in plan:
+        for nodes, kept, _ in parts:
             for j, node in enumerate(nodes):
                 def keep(node_grads: Any, kept: list[Any] = kept, j: int = j) -> None:
                     kept[j] = node_grads
@@ -187,4 +183,4 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         for h in handles:
             h.remove()
     by_id = {id(t): g for t, g in zip(wanted, got, strict=True)}
-    return [by_id.get(id(t)) for t in inputs], WeightGrads(plan)
+    return [by_id.get(id(t)) for t in inputs], WeightGrads(parts)
