@@ -16,6 +16,7 @@ import torch
 from smp.pipeline.baton import BACKWARD, FORWARD, WEIGHT
 
 from .split import WeightGrads, backward_input
+from .refs import RemoteTensor
 from .task import Alias, Task, ref_or_value
 from .wire import BWD_REP, FETCH_REP, FWD_REP, Cached, Message, Out, Ref, Slot, map_structure
 
@@ -66,6 +67,12 @@ class Owner:
 
         def out_leaf(x: Any, send: bool = False) -> Any:
             nonlocal count
+            if isinstance(x, RemoteTensor) and x.owner == src and x.requires_grad and x.ndeps:
+                # Note [returning the caller's own value]: a value the caller computed in a call
+                # from this module depends on tensors this rank sent it there; as a `Ref` it would
+                # reach the caller's graph without this rank's part (autograd would stop at the
+                # tensors received from here). Fetched, it joins this rank's graph and returns as ours.
+                x = x.get()
             x = ref_or_value(x, src)
             if not isinstance(x, torch.Tensor):
                 return x

@@ -26,6 +26,8 @@ that such a reference must survive:
 - ``inplace_input``: a remote child changes its input in place, and the parent reads that input;
 - ``three`` (pp=3): block outputs from rank 1 go straight to rank 2, then back to rank 0;
 - ``tail``: the logits come from the last rank, and the step returns them;
+- ``returned``: a rank-1 module's code calls children on rank 0 and returns their output (a
+  value rank 0 holds, computed from tensors rank 1 sent it) to its rank-0 caller;
 - ``llama``: an unmodified Hugging Face LlamaForCausalLM, layers 2-3, norm and lm_head on rank 1.
 
 On pp=2 and pp=3 (the other models spread their remote children over ranks 1 and 2), each model
@@ -324,6 +326,18 @@ class Three(Loop):
             set_partition(b, 1 if i < 2 else 2)
 
 
+class Returned(Loop):
+    """Block 2's own code runs on rank 1 and calls its children on rank 0, so what it returns is a
+    value rank 0 computed from what rank 1 sent it (a V-shaped placement cut inside a layer)."""
+
+    def place(self, pp: int, set_partition: SetPartition) -> None:
+        set_partition(self.blocks[1], 1)
+        set_partition(self.blocks[2], 1)
+        for child in self.blocks[2].children():
+            set_partition(child, 0)
+        set_partition(self.blocks[3], _far(pp) if pp > 2 else 0)
+
+
 class Tail(Loop):
     """The head on the last rank: the logits the step returns were produced there."""
 
@@ -367,6 +381,7 @@ CASES = {
     "inplace_input": Case(InplaceInput, 2, (2, 3)),
     "three": Case(Three, 4, (3,)),
     "tail": Case(Tail, 2, (2, 3)),
+    "returned": Case(Returned, 2, (2, 3)),
     "llama": Case(_llama, 2, (2,)),  # split in two only
 }
 
