@@ -330,6 +330,8 @@ def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: boo
     cfg: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": schedule,
                            "active_microbatches": M if schedule == "simple" else 4,
                            "auto_partition": cut == "auto"}
+    if schedule == "zb_v":
+        cfg["virtual_stages"] = 2  # the V: two chunks per rank
     if cut == "manual":
         cfg["default_partition"] = 0
     smp.init(cfg)

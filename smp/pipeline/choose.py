@@ -73,7 +73,7 @@ def rank_plan(section: PipelineSection, chain: Sequence[int], has_backward: bool
     active = section.active_microbatches if has_backward else forward_active
     plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain, active_microbatches=active,
                       costs=costs)
-    plan = cooldown_weights(plan, {pp_rank} if split_weights and splits(chain, pp_rank) else ())
+    plan = cooldown_weights(plan, {r for r in plan.actions if split_weights and splits(chain, r)}, costs)
     baton: list[Step] = []
     every: list[Step] = []
     lights: list[Step] = []

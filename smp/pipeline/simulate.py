@@ -143,7 +143,6 @@ def _memory(
     ends: list[list[float]],
     costs: SegmentCosts,
 ) -> tuple[list[int], list[float]]:
-    split = plan.split_backward
     peaks: list[int] = []
     peak_bytes: list[float] = []
     for rank, acts in enumerate(lists):
@@ -155,7 +154,7 @@ def _memory(
                 changes.append((starts[rank][i], 1, a.microbatch, size))
                 if plan.forward_only:
                     changes.append((ends[rank][i], 0, a.microbatch, size))
-            elif a.kind is BACKWARD_WEIGHT or (a.kind is BACKWARD and not split):
+            elif a.kind is BACKWARD_WEIGHT or a.kind is BACKWARD:  # a B is I and W at once
                 changes.append((ends[rank][i], 0, a.microbatch, size))
         changes.sort(key=lambda c: (c[0], c[1]))
         live: dict[int, int] = {}

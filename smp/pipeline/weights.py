@@ -9,6 +9,9 @@ backward in two passes is not free (a frontend walks the graph, and the weight p
 activations again: on CPU, an HF Llama half's input pass + weight pass took 12-16 % longer than
 one backward), so `cooldown_weights` keeps the W
 actions of the cool-down apart and folds every earlier one into its I as one whole backward (B).
+Given the segment costs, it keeps apart only the last ones of the cool-down, as many as shorten
+the step once the split's own cost (`SPLIT_COST`) is counted: two Ws deferred past the last I
+pay off only where the ranks before have that much work left to overlap.
 
 Example (2 ranks, 4 microbatches; ZB-H1 defers one W on rank 1)::
 
@@ -28,25 +31,60 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from smp.pipeline.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from smp.pipeline.costs import Costs
 from smp.pipeline.plan import Plan
+from smp.pipeline.simulate import timed_walk
 
-__all__ = ["cooldown_weights"]
+__all__ = ["SPLIT_COST", "cooldown_weights"]
+
+# A backward run as I then W against one whole backward (`benchmarks/bench_pipeline.py --model
+# split`: 1.14 on CPU for an HF Llama half; 1.2 inside a pipeline step on 2 cores).
+SPLIT_COST = 1.15
 
 
-def cooldown_weights(plan: Plan, ranks: Collection[int]) -> Plan:
+def cooldown_weights(plan: Plan, ranks: Collection[int], costs: Costs | None = None) -> Plan:
     """``plan`` with W apart only where ``ranks`` run it after their last forward.
 
     Every other W (all of them on ranks not in ``ranks``) joins its I as one B at the I's place.
+    With ``costs``, only the Ws of the last k Is of each such rank's cool-down stay apart, for the
+    k whose plan is the shortest under ``costs`` with split backwards `SPLIT_COST` times as long
+    (the fewest on a tie).
 
     Args:
         plan: a compute-only plan (one without W actions comes back equal).
         ranks: the ranks whose executor can run a backward in two parts.
+        costs: the segment costs to choose k with.
     """
+    if costs is None or not ranks:
+        return _apart(plan, ranks, None)
+    resolved = costs.resolve(plan.num_segments)
+    split = replace(resolved, backward_input=tuple(SPLIT_COST * i for i in resolved.backward_input),
+                    backward_weight=tuple(SPLIT_COST * w for w in resolved.backward_weight))
+    most = max(sum(a.kind is BACKWARD_WEIGHT for a in acts[_last_forward(acts) + 1:])
+               for rank, acts in plan.actions.items() if rank in ranks)
+    best: tuple[float, Plan] | None = None
+    for k in range(most + 1):
+        candidate = _apart(plan, ranks, k)
+        _, _, ends, _ = timed_walk(candidate, split)
+        span = max((e[-1] for e in ends if e), default=0.0)
+        if best is None or span < best[0] - 1e-9:
+            best = (span, candidate)
+    assert best is not None
+    return best[1]
+
+
+def _last_forward(acts: list[Action]) -> int:
+    return max((i for i, a in enumerate(acts) if a.kind is FORWARD), default=-1)
+
+
+def _apart(plan: Plan, ranks: Collection[int], keep: int | None) -> Plan:
+    """``plan`` with the last ``keep`` (None: all) Ws after each of ``ranks``' last forward apart
+    and every other W folded into its I."""
     actions: dict[int, list[Action]] = {}
     for rank, acts in plan.actions.items():
-        last_forward = max((i for i, a in enumerate(acts) if a.kind is FORWARD), default=-1)
-        apart = {(a.microbatch, a.segment) for i, a in enumerate(acts)
-                 if a.kind is BACKWARD_WEIGHT and i > last_forward} if rank in ranks else set()
+        last_forward = _last_forward(acts)
+        late = [(a.microbatch, a.segment) for a in acts[last_forward + 1:] if a.kind is BACKWARD_WEIGHT]
+        apart = set(late if keep is None else late[len(late) - keep:] if keep else []) if rank in ranks else set()
         out: list[Action] = []
         for a in acts:
             key = (a.microbatch, a.segment)

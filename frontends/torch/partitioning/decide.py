@@ -19,7 +19,7 @@ import smp.state as smp_state
 from smp.errors import SMPError
 
 from .scopes import manual_scopes
-from .trace import auto_partition, lower, rehome_sequential_stateless, trace
+from .trace import auto_partition, lower, rehome_sequential_stateless, rehome_split_layers, trace
 
 __all__ = ["check_saved_partition", "decide_partition"]
 
@@ -71,7 +71,7 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
                 tr = trace(module, first_microbatch, backward=traced_backward if tp == 1 else None)
         tree = lower(module, tr)
         part = auto_partition(tree, cfg)
-        decision = rehome_sequential_stateless(module, dict(part.assignment))
+        decision = rehome_split_layers(module, rehome_sequential_stateless(module, dict(part.assignment)))
         logger.info("automatic partition:\n%s", part.report())
     from ..runtime.comm import WORLD, allgather
 

@@ -271,6 +271,7 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)  # containers a parent iterates; a Sequential is called
 
 
 def _ancestors(modules: dict[str, nn.Module], path: str) -> tuple[nn.Module | None, nn.Module | None]:
@@ -313,7 +314,47 @@ _TOLERANCE = 0.02
 def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
     section = cfg.partition_section()
     return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
-                          virtual_stages=section.virtual_stages, tolerance=_TOLERANCE)
+                          virtual_stages=section.virtual_stages, stage_ranks=section.stage_ranks or None,
+                          tolerance=_TOLERANCE)
+
+
+def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
+    """A module whose children the split put on different ranks runs its own code where its caller does.
+
+    The core places an opened module's own work (its Python: residual adds, reshapes) before its
+    first child. Where a V placement cuts a layer on the way back (its attention on rank 1, its
+    MLP on rank 0, which also runs the decoder loop), that would put the layer's code on rank 1:
+    rank 1 would call the MLP on rank 0 and hand rank 0 back a value rank 0 holds, a round trip
+    per microbatch each way. Run where the loop runs, the layer's calls continue rank 1's open run
+    and then rank 0's own work: the microbatch still crosses once. The same holds for an
+    ``nn.Sequential`` (it calls its children); the caller is the nearest ancestor that is called
+    (``ModuleList`` and ``ModuleDict`` never are). A module whose children all sit on one other
+    rank (the cut fell between its own work and its first child) goes with them: whole there.
+    """
+    out = dict(assignment)
+    modules = dict(root.named_modules())
+    for path, module in modules.items():
+        if not path or isinstance(module, _NEVER_CALLED):
+            continue
+        children = {out[f"{path}.{name}"] for name, c in module.named_children() if next(c.parameters(), None) is not None}
+        if len(children) == 1:
+            rank = next(iter(children))  # the core cut between its own work and its first child: whole there
+        elif len(children) > 1:
+            up = path.rpartition(".")[0]
+            while up and isinstance(modules[up], _NEVER_CALLED):
+                up = up.rpartition(".")[0]
+            rank = out[up]
+        else:
+            continue
+        if out[path] == rank:
+            continue
+        out[path] = rank
+        if not isinstance(module, nn.Sequential):  # its parameter-less children stay with their neighbours
+            for name, child in module.named_children():  # a layer's run with it
+                if next(child.parameters(), None) is None:
+                    for sub, _ in child.named_modules(prefix=f"{path}.{name}"):
+                        out[sub] = rank
+    return out
 
 
 def rehome_sequential_stateless(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:

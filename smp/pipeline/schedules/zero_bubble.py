@@ -6,13 +6,16 @@ into what would otherwise be bubbles.
 
 from __future__ import annotations
 
-from smp.pipeline.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from dataclasses import replace
+
+from smp.pipeline.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from smp.pipeline.chains import vee_chain
 from smp.pipeline.schedules.request import BuildRequest
+from smp.pipeline.schedules.smp_v1 import build_interleaved
 from smp.pipeline.schedules.template import Template, build_template
 from smp.pipeline.validate import peak_held
 
-__all__ = ["build_zb_h1", "build_zb_v"]
+__all__ = ["build_zb_h1", "build_zb_v", "merged_vee_chain"]
 
 
 def build_zb_h1(request: BuildRequest) -> list[list[Action]]:
@@ -70,17 +73,53 @@ def build_zb_v(request: BuildRequest) -> list[list[Action]]:
         17   0W2   2W2
         18   .     1W2
 
-    On any other chain, or with an ``active_microbatches`` cap below what this order holds (up to
-    2p - 1 microbatches on a rank, each with half its activations), it falls back to the ZB-H1
-    template on the same chain, which honours the cap.
+    An executor that runs a microbatch's consecutive segments on one rank as one visit records
+    the V with its bottom merged (``0 1 0`` on 2 ranks, ``0 1 2 1 0`` on 3): that chain gets
+    `_merged_vee_orders`. On any other chain, or with an ``active_microbatches`` cap below what
+    this order holds (up to 2p - 1 microbatches on a rank, each with half its activations), it
+    falls back to the ZB-H1 template on the same chain, which honours the cap.
     """
     p = request.num_ranks
+    if p > 1 and request.chain == merged_vee_chain(p):
+        return _merged_vee_orders(request)
     if request.chain != vee_chain(p, 2):
         return build_zb_h1(request)
     lists = _zbv_orders(p, request.num_microbatches)
     if peak_held(lists) > request.active_microbatches:
         return build_zb_h1(request)  # the template honours the cap on the same V
     return lists
+
+
+def merged_vee_chain(p: int) -> tuple[int, ...]:
+    """The V with its bottom rank's two segments as one: ``0 .. p-1 .. 0`` (``0 1 0`` on 2 ranks)."""
+    return (*range(p), *range(p - 2, -1, -1))
+
+
+def _merged_vee_orders(request: BuildRequest) -> list[list[Action]]:
+    """The merged V: SMP v1's greedy rule (a ready backward first, lowest microbatch first) run on
+    the segment costs, then each rank's backwards after its last forward split, their W last.
+
+    On the V the first rank runs the first and the last segment, so the only idle time of a
+    balanced split is the first segment's forward before the second rank starts and its backward
+    after the second rank's last; the greedy order leaves no other gap (2 ranks, first and last
+    segment a quarter of the model each: 8.5 microbatches' time for 8 against 9 for 1F1B on a
+    2-stage split). The W actions at the end of the bottom rank then run beside the first rank's
+    last backwards. The in-flight cap is the caller's, or 2p (the V's own peak).
+    """
+    cap = request.active_microbatches if request.capped else min(2 * request.num_ranks, request.num_microbatches)
+    lists = build_interleaved(replace(request, active_microbatches=cap))
+    out: list[list[Action]] = []
+    for acts in lists:
+        last_forward = max((i for i, a in enumerate(acts) if a.kind is FORWARD), default=-1)
+        head, weights = list(acts[:last_forward + 1]), []
+        for a in acts[last_forward + 1:]:
+            if a.kind is BACKWARD:
+                head.append(replace(a, kind=BACKWARD_INPUT))
+                weights.append(replace(a, kind=BACKWARD_WEIGHT))
+            else:
+                head.append(a)
+        out.append(head + weights)
+    return out
 
 
 def _zbv_orders(p: int, m: int) -> list[list[Action]]:

@@ -69,3 +69,39 @@ def test_rank_plan_gives_w_only_to_a_rank_that_splits() -> None:
     assert not splits([0, 1, 0, 1], 1)
     looped = rank_plan(section, [0, 1, 0, 1], True, 1, light=set(), forward_active=4, split_weights=True)
     assert all(kind != "W" for kind, _ in looped.every)
+
+
+def test_with_costs_only_the_ws_that_shorten_the_step_stay_apart() -> None:
+    """A split backward costs `SPLIT_COST` times a whole one: deferring a W pays only where the ranks
+    before it have that much work left to overlap it with."""
+    # 2 ranks, balanced: rank 0's last backward (2.0) hides one deferred W (1.15), not two.
+    even = Costs(forward=1.0, backward=2.0, backward_weight=1.0)
+    got = cooldown_weights(build_plan("zb_h1", 2, 4), {1}, even)
+    assert [(str(a.kind), a.microbatch) for a in got.actions[1] if str(a.kind) in ("I", "W")] == [("I", 3), ("W", 3)]
+    validate_plan(got)
+    # Rank 0 with almost nothing to do at the end: no W is worth its split.
+    light = Costs(forward=[0.1, 1.0], backward=[0.1, 2.0], backward_weight=[0.05, 1.0])
+    assert all(str(a.kind) != "W" for a in cooldown_weights(build_plan("zb_h1", 2, 4), {1}, light).actions[1])
+    # Without costs every W of the cool-down stays apart (the theory's plans).
+    assert [a.microbatch for a in cooldown_weights(build_plan("zb_h1", 2, 4), {1}).actions[1]
+            if str(a.kind) == "W"] == [2, 3]
+
+
+def test_the_merged_v_beats_1f1b_on_a_balanced_split() -> None:
+    """An executor that records the V with its bottom merged (``0 1 0``): the first and the last quarter
+    of the model on rank 0, the middle half on rank 1. The plan idles only for the first quarter's
+    forward and backward, against half the model's in 1F1B on a 2-stage split of the same model."""
+    quarter = Costs(forward=[1.0, 2.0, 1.0], backward=[2.0, 4.0, 2.0], backward_weight=[1.0, 2.0, 1.0])
+    half = Costs(forward=2.0, backward=4.0, backward_weight=2.0)
+    section = PipelineSection(num_stages=2, num_microbatches=8, active_microbatches=None, schedule="zb_v",
+                              virtual_stages=2)
+    plans = [rank_plan(section, [0, 1, 0], True, r, light=set(), costs=quarter, forward_active=4, split_weights=True)
+             for r in (0, 1)]
+    assert all(kind != "W" for kind, _ in plans[0].every)  # the step body's rank keeps whole backwards
+    assert [a for a in plans[1].every if a[0] == "W"] == [("W", 7)]
+    plan = cooldown_weights(build_plan("zb_v", 2, 8, chain=(0, 1, 0), costs=quarter), {1}, quarter)
+    v = simulate(plan, quarter).makespan
+    one = simulate(build_plan("1f1b", 2, 8), half).makespan
+    assert one == 9 * 6.0 and v <= 8 * 6.0 + 3.0, (v, one)
+    # The V's peak: 2p microbatches' first segment on rank 0 (each a quarter), p halves on rank 1.
+    assert simulate(plan, quarter).peak_in_flight == [4, 3]

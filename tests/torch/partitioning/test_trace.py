@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from smp.torch.partitioning.trace import lower, trace
+from smp.torch.partitioning.trace import lower, rehome_split_layers, trace
 from torch import nn
 
 from smp.partition import ModuleTree, partition_tree
@@ -87,6 +87,48 @@ def test_layers_open_one_level_and_their_children_stay_whole() -> None:
     # ... but not inside them: the attention's projections and the MoE block's experts stay together.
     assert not _opened(tree, f"{layer}.self_attn")
     assert not _opened(tree, moe)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.act, self.mlp = nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.act(self.mlp(x))
+
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.net(x)
+
+
+def test_a_split_layer_runs_its_own_code_where_its_caller_does() -> None:
+    """The way back of a V (rank 0 -> 1 -> 0) cut inside a layer: the layer's code, and a Sequential's,
+    run where the loop runs (rank 0), not with their first child on rank 1."""
+    body = _Body()
+    assignment = {path: 0 for path, _ in body.named_modules()}
+    for path in ("layers.1", "layers.1.attn", "layers.1.act", "layers.1.mlp",  # whole on rank 1: stays
+                 "layers.2", "layers.2.attn", "layers.2.act",  # own and attention on 1, MLP on 0
+                 "net", "net.0", "net.1"):  # a Sequential on 1, its last child on 0
+        assignment[path] = 1
+    assignment["layers.0"] = 1  # its code on rank 1, its children on rank 0: the cut fell right after it
+    out = rehome_split_layers(body, assignment)
+    moved = {p for p in assignment if out[p] != assignment[p]}
+    assert moved == {"layers.0", "layers.2", "layers.2.act", "net"}, moved
+    assert out["layers.2.attn"] == 1 and out["net.1"] == 1  # children keep their ranks
+    # An in-layer cut on the way out (own and attention on rank 0, MLP on rank 1) is already right.
+    forward = {path: 0 for path, _ in body.named_modules()} | {"layers.0.mlp": 1, "layers.1": 1,
+                                                                 "layers.1.attn": 1, "layers.1.mlp": 1}
+    assert rehome_split_layers(body, forward) == forward
 
 
 def test_a_module_with_children_outside_containers_stays_whole() -> None:
