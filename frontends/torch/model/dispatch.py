@@ -50,6 +50,14 @@ class Dispatch:
         # follows them as a torch op does (engine/refs.py), e.g. GPT-NeoX's post_mlp_dropout on the
         # output of an MLP on the next rank.
         stateless = next(m.parameters(), None) is None and next(m.buffers(), None) is None
+        # Note [a split module's own code]: a module with no state of its own whose children sit on
+        # several ranks (a decoder layer cut between its attention and its MLP) is glue between
+        # those calls, like the step body between layers: entering it does not end a peer's open
+        # run. Its first child owned here (or a fetch) takes this rank's baton, so the way back of
+        # a V (attention on rank 1, MLP on rank 0) crosses once.
+        prefix = f"{path}." if path else ""
+        glue = (next(m.parameters(recurse=False), None) is None and next(m.buffers(recurse=False), None) is None
+                and any(self.owner.get(prefix + name, owner) != owner for name, _ in m.named_children()))
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             task = current_task()
@@ -58,7 +66,8 @@ class Dispatch:
             assert self.engine is not None
             if owner != self.pp_rank:
                 return self.engine.remote_forward(owner, path, None, args, kwargs)
-            if (not task.holding or task.run_with is not None) and not (stateless and followed(args, kwargs) is not None):
+            if (not task.holding or task.run_with is not None) and not glue \
+                    and not (stateless and followed(args, kwargs) is not None):
                 self.engine.settle(task)  # this rank works now: close a peer's open run, take our baton
             if is_seq and len(args) == 1 and not kwargs:
                 return self._run_sequential(path, m, args[0])

@@ -145,6 +145,11 @@ class _BackwardClock:
             tr.after_backward = max(0.0, last[-1] - began)
 
 
+# Measured runs of the traced microbatch; each module's time is its median over them. One run
+# leaves a layer at the mercy of a page fault or a collector pass, and the split flips with it.
+_REPEATS = 3
+
+
 def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True,
           backward: Callable[[], list[tuple[Any, Any]]] | None = None) -> Trace:
     """Run ``run()`` (one microbatch of the step) with hooks on every module of ``root``.
@@ -154,13 +159,55 @@ def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True,
     With it the measured run keeps grad on and then runs that backward, timed per module (SMP
     v1 traced without grad: forward times only). A forward that runs out of memory with grad on
     is traced again without, and a backward that fails (out of memory, a loss without grad) leaves
-    forward times only; either says so in the log.
+    forward times only; either says so in the log. After a warm-up, the microbatch runs
+    `_REPEATS` times and each time is the median. The model's buffers (BatchNorm statistics) and
+    the random number generators are as they were before: tracing changes no numbers of training.
     """
-    tr = Trace()
+    buffers = [(b, b.detach().clone()) for b in root.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return _trace(root, run, measure_time=measure_time, backward=backward)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+
+def _trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool,
+           backward: Callable[[], list[tuple[Any, Any]]] | None) -> Trace:
     with torch.no_grad():
         run()  # warm-up: first calls pay one-time costs that would skew the measured compute
     if backward is not None:
         backward()  # the warm-up's, made under no_grad
+    runs = []
+    for _ in range(_REPEATS if measure_time else 1):
+        tr = _measure(root, run, measure_time=measure_time, backward=backward)
+        if tr is None:  # out of memory with grad: forward times only
+            return _trace(root, run, measure_time=measure_time, backward=None)
+        runs.append(tr)
+    return _median(runs)
+
+
+def _median(runs: list[Trace]) -> Trace:
+    """The first run's order and bytes, each time the median over ``runs``."""
+    out = runs[0]
+    if len(runs) == 1:
+        return out
+
+    def mid(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    out.time = {p: mid([r.time.get(p, 0.0) for r in runs]) for p in out.time}
+    out.backward_time = {p: mid([r.backward_time.get(p, 0.0) for r in runs]) for p in out.backward_time}
+    out.after = mid([r.after for r in runs])
+    out.after_backward = mid([r.after_backward for r in runs])
+    return out
+
+
+def _measure(root: nn.Module, run: Callable[[], Any], *, measure_time: bool,
+             backward: Callable[[], list[tuple[Any, Any]]] | None) -> Trace | None:
+    """One measured run (None: it ran out of memory with grad on)."""
+    tr = Trace()
     clock = _BackwardClock(root) if backward is not None and measure_time else None
     starts: dict[str, list[float]] = {}
     handles = []
@@ -198,7 +245,7 @@ def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True,
             backward()  # drop the half-made graph
         logger.warning("automatic partition: one microbatch with its backward does not fit for the trace; "
                        "the partition follows forward times only (traced without grad)")
-        return trace(root, run, measure_time=measure_time)
+        return None
     finally:
         for h in handles:
             h.remove()

@@ -28,6 +28,8 @@ that such a reference must survive:
 - ``tail``: the logits come from the last rank, and the step returns them;
 - ``returned``: a rank-1 module's code calls children on rank 0 and returns their output (a
   value rank 0 holds, computed from tensors rank 1 sent it) to its rank-0 caller;
+- ``vee_back``: the way back of a V cut inside a block (its attention on rank 1, its MLP and own
+  code on rank 0): the chain must stay 0 -> 1 -> 0;
 - ``llama``: an unmodified Hugging Face LlamaForCausalLM, layers 2-3, norm and lm_head on rank 1.
 
 On pp=2 and pp=3 (the other models spread their remote children over ranks 1 and 2), each model
@@ -338,6 +340,17 @@ class Returned(Loop):
         set_partition(self.blocks[3], _far(pp) if pp > 2 else 0)
 
 
+class VeeBack(Loop):
+    """The way back of a V cut inside a layer: blocks 1-2 and block 3's norm and attention on rank 1,
+    block 3's MLP and its own code on rank 0 (where the loop runs). The microbatch crosses once each way."""
+
+    def place(self, pp: int, set_partition: SetPartition) -> None:
+        set_partition(self.blocks[1], 1)
+        set_partition(self.blocks[2], 1)
+        set_partition(self.blocks[3].ln, 1)
+        set_partition(self.blocks[3].attn, 1)
+
+
 class Tail(Loop):
     """The head on the last rank: the logits the step returns were produced there."""
 
@@ -368,6 +381,7 @@ class Case(NamedTuple):
     build: Callable[[], nn.Module]
     microbatches: int
     world_sizes: tuple[int, ...]
+    chain: tuple[int, ...] | None = None  # the chain the engine must record, where it matters
 
 
 CASES = {
@@ -382,6 +396,7 @@ CASES = {
     "three": Case(Three, 4, (3,)),
     "tail": Case(Tail, 2, (2, 3)),
     "returned": Case(Returned, 2, (2, 3)),
+    "vee_back": Case(VeeBack, 2, (2,), chain=(0, 1, 0)),
     "llama": Case(_llama, 2, (2,)),  # split in two only
 }
 
@@ -493,6 +508,7 @@ def _train(name: str, pp: int, comm_timeout: float = 60.0) -> dict[str, Any]:
         loss_mb, out_mb = eval_step(model, x, y)
     res["eval_losses"] = torch.stack(list(loss_mb))
     res["eval_outputs"] = out_mb.concat()
+    res["chain"] = [tuple(r.chain) for r in model.plans.values()][:1]
     owners = _owners(net, placed)
     res["expected_local"] = sorted(n for n, r in owners.items() if r == smp.pp_rank())
     smp.reset()
@@ -566,3 +582,5 @@ def test_fast_mode_case_matches_one_process(launched: Launched, pp: int, name: s
         torch.testing.assert_close(res["eval_outputs"], ref["eval_outputs"],
                                    msg=lambda m, w=what: f"{w}: eval output\n{m}")
     assert owned == set(ref["grads"][0]), sorted(owned ^ set(ref["grads"][0]))  # every parameter, on its owner
+    if CASES[name].chain is not None:
+        assert per_rank[0]["chain"][0] == CASES[name].chain, per_rank[0]["chain"]

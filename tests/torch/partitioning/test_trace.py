@@ -293,3 +293,17 @@ def test_a_forward_out_of_memory_with_grad_is_traced_again_without() -> None:
 
     tr = trace(net, body, backward=lambda: [])
     assert tr.backward_time == {} and tr.time["head"] > 0 and tr.last == "head"
+
+
+def test_tracing_leaves_buffers_and_random_state_as_they_were() -> None:
+    """The trace runs the step body several times on rank 0: BatchNorm statistics and the random
+    generator (dropout) must be as before, or rank 0 would train on other numbers than one process."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(16, 8)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    tr = trace(net, lambda: net(x))
+    assert tr.time[""] > 0
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
