@@ -65,39 +65,49 @@ def _check_inputs(costs: Sequence[float], num_parts: int) -> None:
         )
 
 
-def _bottleneck_bisect(s: list[float], n: int, parts: int) -> float:
+def _weights(weights: Sequence[float] | None, parts: int) -> list[float]:
+    if weights is None:
+        return [1.0] * parts
+    w = [float(x) for x in weights]
+    if len(w) != parts or any(not (x > 0 and math.isfinite(x)) for x in w):
+        raise PartitionError(f"weights={list(weights)}: need {parts} finite positive numbers, one per part")
+    return w
+
+
+def _bottleneck_bisect(s: list[float], n: int, parts: int, w: Sequence[float]) -> float:
     """Optimal bottleneck without constraints; row k-1 is non-decreasing so bisect the crossing."""
-    prev = [_INF] + s[1:]  # one part: the prefix sum
+    prev = [_INF] + [x / w[0] for x in s[1:]]  # one part: the prefix sum
     for k in range(2, parts + 1):
         cur = [_INF] * (n + 1)
+        wk = w[k - 1]
         for j in range(k, n - (parts - k) + 1):
             lo, hi = k - 1, j - 1  # candidate starts of the last part
-            while lo < hi:  # first i with prev[i] >= s[j] - s[i]
+            while lo < hi:  # first i with prev[i] >= (s[j] - s[i]) / wk
                 mid = (lo + hi) // 2
-                if prev[mid] >= s[j] - s[mid]:
+                if prev[mid] >= (s[j] - s[mid]) / wk:
                     hi = mid
                 else:
                     lo = mid + 1
-            best = max(prev[lo], s[j] - s[lo])
+            best = max(prev[lo], (s[j] - s[lo]) / wk)
             if lo > k - 1:
-                best = min(best, max(prev[lo - 1], s[j] - s[lo - 1]))
+                best = min(best, max(prev[lo - 1], (s[j] - s[lo - 1]) / wk))
             cur[j] = best
         prev = cur
     return prev[n]
 
 
-def _bottleneck_scan(s: list[float], n: int, parts: int, fits: SegmentCheck) -> float:
+def _bottleneck_scan(s: list[float], n: int, parts: int, fits: SegmentCheck, w: Sequence[float]) -> float:
     """Optimal bottleneck when segments must pass ``fits``; exhaustive over starts, pruned."""
     prev = [_INF] * (n + 1)
     for j in range(1, n - parts + 2):
         if fits(0, 0, j):
-            prev[j] = s[j]
+            prev[j] = s[j] / w[0]
     for k in range(2, parts + 1):
         cur = [_INF] * (n + 1)
         for j in range(k, n - (parts - k) + 1):
             best = _INF
             for i in range(j - 1, k - 2, -1):
-                seg = s[j] - s[i]
+                seg = (s[j] - s[i]) / w[k - 1]
                 if seg >= best:
                     break
                 if prev[i] < best and fits(k - 1, i, j):
@@ -107,8 +117,8 @@ def _bottleneck_scan(s: list[float], n: int, parts: int, fits: SegmentCheck) -> 
     return prev[n]
 
 
-def _greedy_under(s: list[float], n: int, parts: int, limit: float) -> list[int] | None:
-    """Greedy from the right: each part takes as many blocks as fit under ``limit``.
+def _greedy_under(s: list[float], n: int, parts: int, limit: float, w: Sequence[float]) -> list[int] | None:
+    """Greedy from the right: each part takes as many blocks as fit under ``limit`` (times its weight).
 
     Exact for the unconstrained problem (a split under the limit exists iff this one is under it).
     """
@@ -116,20 +126,22 @@ def _greedy_under(s: list[float], n: int, parts: int, limit: float) -> list[int]
     for k in range(parts - 1, 0, -1):
         j = bounds[-1]
         i = j - 1
-        while i - 1 >= k and s[j] - s[i - 1] <= limit:
+        while i - 1 >= k and (s[j] - s[i - 1]) / w[k] <= limit:
             i -= 1
         bounds.append(i)
     bounds.append(0)
     bounds.reverse()
-    if any(s[b] - s[a] > limit for a, b in zip(bounds, bounds[1:], strict=False)):
+    if any((s[b] - s[a]) / w[k] > limit for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))):
         return None
     return bounds
 
 
 def _dp_under(
-    s: list[float], n: int, parts: int, limit: float, fits: SegmentCheck | None, penalty: SegmentPenalty | None
+    s: list[float], n: int, parts: int, limit: float, fits: SegmentCheck | None, penalty: SegmentPenalty | None,
+    w: Sequence[float],
 ) -> list[int] | None:
-    """Least (total penalty, sum of squared part costs), lexicographically, with parts <= limit."""
+    """Least (total penalty, sum of squared part costs), lexicographically, with parts <= limit
+    (costs and the limit per unit of each part's weight)."""
     # dp[k][j]: best (penalty, squares) splitting the first j blocks into k parts under the limit.
     # Both components add up over parts, so lexicographic order is preserved by the recursion.
     none = (_INF, _INF)
@@ -138,15 +150,16 @@ def _dp_under(
     dp[0][0] = (0.0, 0.0)
     for k in range(1, parts + 1):
         row, prev = dp[k], dp[k - 1]
+        wk = w[k - 1]
         lo = 0
         for j in range(k, n - (parts - k) + 1):
-            while s[j] - s[lo] > limit:
+            while (s[j] - s[lo]) / wk > limit:
                 lo += 1
             for i in range(max(lo, k - 1), j):
                 base = prev[i]
                 if base[0] == _INF:
                     continue
-                seg = s[j] - s[i]
+                seg = (s[j] - s[i]) / wk
                 pen = base[0] + (penalty(k - 1, i, j) if penalty is not None else 0.0)
                 val = (pen, base[1] + seg * seg)
                 if val < row[j] and (fits is None or fits(k - 1, i, j)):
@@ -167,9 +180,11 @@ def split_under(
     *,
     fits: SegmentCheck | None = None,
     penalty: SegmentPenalty | None = None,
+    weights: Sequence[float] | None = None,
 ) -> list[int] | None:
     """Among splits whose parts all cost at most ``limit`` (and pass ``fits``), the one with the
-    least total ``penalty(part, start, stop)``, then the least sum of squared part costs.
+    least total ``penalty(part, start, stop)``, then the least sum of squared part costs. With
+    ``weights``, part ``k`` may cost ``limit * weights[k]`` and counts as its cost per weight.
 
     Returns boundaries, or None when no split stays under the limit. O(P * n * w) where w is the
     number of starts whose segment fits under the limit.
@@ -183,10 +198,11 @@ def split_under(
         [0, 1, 4]
     """
     _check_inputs(costs, num_parts)
-    return _dp_under(_prefix(costs), len(costs), num_parts, limit, fits, penalty)
+    return _dp_under(_prefix(costs), len(costs), num_parts, limit, fits, penalty, _weights(weights, num_parts))
 
 
-def min_bottleneck(costs: Sequence[float], num_parts: int, *, fits: SegmentCheck | None = None) -> float:
+def min_bottleneck(costs: Sequence[float], num_parts: int, *, fits: SegmentCheck | None = None,
+                   weights: Sequence[float] | None = None) -> float:
     """The least possible largest part cost (``math.inf`` when no split passes ``fits``).
 
     Example:
@@ -196,7 +212,8 @@ def min_bottleneck(costs: Sequence[float], num_parts: int, *, fits: SegmentCheck
     _check_inputs(costs, num_parts)
     s = _prefix(costs)
     n = len(costs)
-    return _bottleneck_bisect(s, n, num_parts) if fits is None else _bottleneck_scan(s, n, num_parts, fits)
+    w = _weights(weights, num_parts)
+    return _bottleneck_bisect(s, n, num_parts, w) if fits is None else _bottleneck_scan(s, n, num_parts, fits, w)
 
 
 def _window_steps(s: list[float], n: int, limit: float) -> int:
@@ -215,6 +232,8 @@ def partition_chain(
     *,
     fits: SegmentCheck | None = None,
     balance: bool = True,
+    weights: Sequence[float] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list[int]:
     """Split ``costs`` into ``num_parts`` contiguous non-empty parts with the least bottleneck.
 
@@ -225,6 +244,13 @@ def partition_chain(
             ``part`` (memory limits, connectivity).
         balance: among optimal splits, return the one with the least sum of squared part costs
             (skipped on very large inputs, where the bottleneck is still optimal).
+        weights: part ``k``'s share of the work (default 1 each): the bottleneck is the largest
+            ``cost / weight``. A rank that runs two consecutive chain parts (the bottom of a V)
+            is one part of weight 2.
+        ranks: the rank of each part, when a rank runs several. For the V over 2 ranks
+            (``a b a``) the split is exact for what the pipeline waits on, the larger of the two
+            ranks' sums, and among those the one whose first and last part are closest (they
+            are the pipeline's fill and drain); other placements use the per-part bottleneck.
 
     Returns:
         Boundaries ``[0, b1, ..., n]``: part ``k`` is ``costs[b[k]:b[k+1]]``.
@@ -255,7 +281,13 @@ def partition_chain(
     _check_inputs(costs, num_parts)
     n = len(costs)
     s = _prefix(costs)
-    best = _bottleneck_bisect(s, n, num_parts) if fits is None else _bottleneck_scan(s, n, num_parts, fits)
+    w = _weights(weights, num_parts)
+    if ranks is not None and len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]:
+        bounds = _two_rank_vee(s, n, fits)
+        if bounds is None:
+            raise PartitionMemoryError(f"no split of {n} blocks into a V over 2 ranks satisfies the segment limits")
+        return bounds
+    best = _bottleneck_bisect(s, n, num_parts, w) if fits is None else _bottleneck_scan(s, n, num_parts, fits, w)
     if best == _INF:
         raise PartitionMemoryError(
             f"no split of {n} blocks into {num_parts} parts satisfies the segment limits (memory); "
@@ -264,11 +296,47 @@ def partition_chain(
     # Segment sums are recomputed from the same prefix array, so comparing against `best` is exact.
     refine = fits is not None  # the greedy reconstruction ignores `fits`; the DP honours it
     if balance and not refine:
-        refine = num_parts * _window_steps(s, n, best) <= _REFINE_BUDGET
-    bounds = _dp_under(s, n, num_parts, best, fits, None) if refine else _greedy_under(s, n, num_parts, best)
+        refine = num_parts * _window_steps(s, n, best * max(w)) <= _REFINE_BUDGET
+    bounds = _dp_under(s, n, num_parts, best, fits, None, w) if refine else _greedy_under(s, n, num_parts, best, w)
     if bounds is None:  # cannot happen: pass 1 proved a split under `best` exists
         raise PartitionError(f"internal error: no split under the optimal bottleneck {best}")
     return bounds
+
+
+# How far above the least larger-rank load the V over 2 ranks may stay to bring its ends closer
+# together: the first part's forward and backward of one microbatch are the step's fill and drain
+# (a quarter of the model each way against three eighths: about 3 % of an 8-microbatch step).
+_VEE_SLACK = 0.01
+
+
+def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None) -> list[int] | None:
+    """Boundaries ``[0, i, j, n]`` of the V ``a b a``: the middle part ``[i, j)`` on one rank, both
+    ends on the other. Among splits within `_VEE_SLACK` of the least max(middle, ends), the one
+    whose first and last parts are closest. Only the ``j`` on either side of half the total can
+    be best for a given ``i``: O(n log n) without ``fits``."""
+    import bisect
+
+    total = s[n]
+
+    def ok(i: int, j: int) -> bool:
+        return fits is None or (fits(0, 0, i) and fits(1, i, j) and fits(2, j, n))
+
+    def candidates() -> list[tuple[float, float, int, int]]:
+        out = []
+        for i in range(1, n - 1):
+            at = bisect.bisect_left(s, s[i] + total / 2, i + 1, n)
+            near = range(i + 1, n) if fits is not None else sorted({max(i + 1, min(n - 1, at + d)) for d in (-1, 0)})
+            for j in near:
+                middle = s[j] - s[i]
+                out.append((max(middle, total - middle), abs(s[i] - (total - s[j])), i, j))
+        return out
+
+    found = [c for c in candidates() if ok(c[2], c[3])]
+    if not found:
+        return None
+    least = min(c[0] for c in found)
+    _, _, i, j = min((c for c in found if c[0] <= least * (1 + _VEE_SLACK)), key=lambda c: (c[1], c[0]))
+    return [0, i, j, n]
 
 
 def part_costs(costs: Sequence[float], boundaries: Sequence[int]) -> list[float]:

@@ -128,9 +128,16 @@ def _reduce(blocks: Sequence[Sequence[int]], glued: Sequence[Sequence[int]], anc
     return Reduction(tuple(tuple(sorted(carried[b])) for b in kept), tuple(tuple(blocks[b]) for b in kept))
 
 
-def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int], n_items: int) -> GluedSplit:
+def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int], n_items: int,
+            weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None) -> GluedSplit:
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]
     loads = part_costs(seq_costs, bounds)
+    if weights is not None:
+        if ranks is not None:  # what each rank runs, per unit of its weight
+            loads = [sum(x for x, r in zip(loads, ranks, strict=True) if r == rank)
+                     / sum(w for w, r in zip(weights, ranks, strict=True) if r == rank) for rank in sorted(set(ranks))]
+        else:
+            loads = [load / w for load, w in zip(loads, weights, strict=True)]
     part_of_item = [0] * n_items
     for k, (a, z) in enumerate(zip(bounds, bounds[1:], strict=False)):
         for pos in range(a, z):
@@ -139,17 +146,17 @@ def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int],
     return GluedSplit(max(loads), sum(x * x for x in loads), tuple(part_of_item), reduction, tuple(bounds))
 
 
-def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fits: FitsFactory | None
-           ) -> GluedSplit | None:
+def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fits: FitsFactory | None,
+           weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None) -> GluedSplit | None:
     if len(reduction.carried) < num_parts:
         return None
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]
     fits = make_fits(reduction) if make_fits is not None else None
     try:
-        bounds = partition_chain(seq_costs, num_parts, fits=fits)
+        bounds = partition_chain(seq_costs, num_parts, fits=fits, weights=weights, ranks=ranks)
     except PartitionMemoryError:
         return None
-    return _finish(costs, reduction, bounds, len(costs))
+    return _finish(costs, reduction, bounds, len(costs), weights, ranks)
 
 
 def split_glued(
@@ -158,6 +165,8 @@ def split_glued(
     num_parts: int,
     *,
     make_fits: FitsFactory | None = None,
+    weights: Sequence[float] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> GluedSplit | None:
     """The least-bottleneck split of items into ``num_parts`` parts, items sharing a key glued.
 
@@ -166,6 +175,8 @@ def split_glued(
         keys: per item, the keys that glue it to other items (shared parameter ids, variables).
         num_parts: number of parts (chain positions before revisits).
         make_fits: builds the per-part check for a given reduction (memory limits).
+        weights: each part's share of the work (`partition_chain`); the bottleneck is per weight.
+        ranks: each part's rank, with ``weights``: the bottleneck is per rank (`partition_chain`).
 
     Returns:
         The best split found, or None when there are too few pieces or nothing fits.
@@ -178,7 +189,7 @@ def split_glued(
     blocks = _blocks(costs)
     glued = _glued_sets(blocks, keys)
     anchors = [g[0] for g in glued]
-    best = _solve(costs, _reduce(blocks, glued, anchors), num_parts, make_fits)
+    best = _solve(costs, _reduce(blocks, glued, anchors), num_parts, make_fits, weights, ranks)
     if len(glued) > _MAX_SETS_FOR_DESCENT:
         return best
     for _ in range(_ROUNDS):
@@ -188,7 +199,7 @@ def split_glued(
                 if cand == anchors[gi]:
                     continue
                 trial = [*anchors[:gi], cand, *anchors[gi + 1:]]
-                sol = _solve(costs, _reduce(blocks, glued, trial), num_parts, make_fits)
+                sol = _solve(costs, _reduce(blocks, glued, trial), num_parts, make_fits, weights, ranks)
                 if sol is not None and (best is None or sol.key() < best.key()):
                     best, anchors, changed = sol, trial, True
         if not changed:

@@ -60,7 +60,18 @@ class _Solver:
         self.cost = cost
         self.budget = budget
         self.stage_ranks = tuple(stage_ranks)
-        self.parts = len(self.stage_ranks)
+        # Consecutive stages on one rank (the bottom of a V) are one part of that much weight: the
+        # rank runs them back to back, so only their sum matters, not how it divides between them.
+        runs: list[list[int]] = []  # [rank, first stage, stages]
+        for stage, rank in enumerate(self.stage_ranks):
+            if runs and runs[-1][0] == rank:
+                runs[-1][2] += 1
+            else:
+                runs.append([rank, stage, 1])
+        self.part_ranks = tuple(r for r, _, _ in runs)
+        self.part_stage = tuple(first for _, first, _ in runs)
+        self.weights = None if all(n == 1 for *_, n in runs) else tuple(float(n) for *_, n in runs)
+        self.parts = len(runs)
 
     def item_cost(self, item: WorkItem) -> float:
         t = item.totals
@@ -70,10 +81,11 @@ class _Solver:
         costs = [self.item_cost(it) for it in items]
         keys: list[frozenset[Hashable]] = [frozenset(it.groups) for it in items]
         make_fits = self._fits_factory(items) if capped and self.budget.cap_bytes is not None else None
-        return split_glued(costs, keys, self.parts, make_fits=make_fits)
+        return split_glued(costs, keys, self.parts, make_fits=make_fits, weights=self.weights,
+                           ranks=self.part_ranks if self.weights is not None else None)
 
     def _fits_factory(self, items: Sequence[WorkItem]) -> Callable[[Reduction], SegmentCheck]:
-        ranks = self.stage_ranks
+        ranks = self.part_ranks
         share = [1.0 / ranks.count(r) for r in ranks]  # a rank's memory is shared by its parts
 
         def make(reduction: Reduction) -> SegmentCheck:
@@ -188,8 +200,8 @@ def partition_tree(
     stage_of: dict[str, int] = {}
     for item, part in zip(items, current.part_of_item, strict=True):
         for path in item.members:
-            assignment[path] = ranks[part]
-            stage_of[path] = part
+            assignment[path] = solver.part_ranks[part]
+            stage_of[path] = solver.part_stage[part]
     notes = (
         f"auto-partition: {len(items)} work items after opening {len(opened)} module(s); bottleneck "
         f"{current.bottleneck:.4f} of the model vs {finest.bottleneck:.4f} for the finest split "
@@ -219,7 +231,8 @@ def _raise_no_split(
             f"count as one) for {parts} chain parts over {num_ranks} rank(s). Fix: "
             "lower pipeline_parallel_degree or virtual_stages, or split large modules into children"
         )
-    assignment = {p: ranks[part] for it, part in zip(items, free.part_of_item, strict=True) for p in it.members}
+    assignment = {p: solver.part_ranks[part] for it, part in zip(items, free.part_of_item, strict=True)
+                  for p in it.members}
     best = TreePartition.from_assignment(tree, assignment, num_ranks, virtual_stages=virtual_stages,
                                          memory_weight=memory_weight, budget=budget, method="auto")
     cap = budget.cap_bytes or 0.0

@@ -135,3 +135,16 @@ def test_large_chain_is_fast_and_optimal() -> None:
         else:
             s += c
     assert below > 16, "no split can have a bottleneck below the one found"
+
+
+def test_the_v_over_two_ranks_balances_the_ranks_then_its_ends() -> None:
+    """Parts ``a b a``: the middle on one rank, both ends on the other. The larger rank sum is as
+    small as it can be (6 of 12), and among such splits the ends are closest (the fill and the drain)."""
+    costs = [1.0] * 8 + [4.0]
+    bounds = partition_chain(costs, 3, weights=[1, 2, 1], ranks=[0, 1, 0])
+    loads = part_costs(costs, bounds)
+    assert loads[1] == 6.0 and loads[0] + loads[2] == 6.0
+    assert bounds == [0, 2, 8, 9], bounds
+    # Memory limits are honoured: the middle may hold at most 5 blocks.
+    capped = partition_chain(costs, 3, weights=[1, 2, 1], ranks=[0, 1, 0], fits=lambda k, i, j: k != 1 or j - i <= 5)
+    assert capped[2] - capped[1] <= 5

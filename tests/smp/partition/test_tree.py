@@ -215,13 +215,24 @@ def test_partition_round_trips_through_plain_data() -> None:
 
 
 def test_stage_ranks_follow_the_schedule_chain() -> None:
-    """zero-bubble V: parts 0 1 1 0 over 2 ranks keep four segments, two of them adjacent on rank 1."""
+    """zero-bubble V: parts 0 1 1 0 over 2 ranks; the two adjacent ones on rank 1 are one segment
+    (the rank runs them back to back) with twice the share of work."""
     part = partition_tree(chain_tree([1.0] * 8), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0))
-    assert part.chain() == (0, 1, 1, 0)
-    assert [len(s.items) for s in part.segments()] == [2, 2, 2, 2]
+    assert part.chain() == (0, 1, 0)
+    assert [len(s.items) for s in part.segments()] == [2, 4, 2]
     assert part.local_paths(1) == ("b2", "b3", "b4", "b5")
     again = TreePartition.from_dict(part.tree, part.to_dict())
-    assert again.chain() == (0, 1, 1, 0)
+    assert again.chain() == (0, 1, 0)
+
+
+def test_the_bottom_of_a_v_balances_ranks_not_stages() -> None:
+    """A heavy last block (an LM head): counted per stage, the two middle stages could each stay
+    under the bottleneck while together they outweigh rank 0's two ends; counted as one part of
+    weight 2, rank 1's middle gets exactly half the work."""
+    part = partition_tree(chain_tree([1.0] * 8 + [4.0]), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0))
+    loads = [sum(1.0 if p != "b8" else 4.0 for p in part.local_paths(r) if p.startswith("b")) for r in range(2)]
+    assert loads == [6.0, 6.0], (loads, part.local_paths(1))
+    assert part.chain() == (0, 1, 0)
     with pytest.raises(PartitionError, match="stage_ranks"):
         partition_tree(chain_tree([1.0] * 8), 2, memory_weight=0.0, stage_ranks=(0, 2))
 
