@@ -12,7 +12,8 @@ torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over 
 (first half of the layers + embedding | second half + head); smp runs the SMP v1 script shape
 (``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
 ``model.backward(loss)``) with the same cut through ``smp.set_partition`` and also with ``auto_partition``
-(SMP v1's default). One thread per rank, one launch per side and
+(SMP v1's default), which under ``zb_v`` places the model in a V (first and last layers on rank 0,
+the middle on rank 1: chain 0 -> 1 -> 0). One thread per rank, one launch per side and
 schedule; printed per model: the single-process time, the 1F1B limit
 ``single / p * (m + p - 1) / m``, the floor of the hand cut (each torch stage's forward + backward
 of one microbatch timed alone in one process: no 2-stage schedule that keeps backward whole can
@@ -377,8 +378,11 @@ def bench(name: str, steps: int, warmup: int) -> None:
     rows = []
     launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
         ("torch.distributed.pipelining", theirs, (name, s, steps, warmup)) for s in ("1f1b", "gpipe")]
+    # zb_v places the model in a V (its own cut: the first and last layers on rank 0), so only
+    # automatic partitioning runs it; on the manual 2-stage cut it would be zb_h1 again.
     launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup))
-                 for cut in SMP_CUTS[name] for s in ("1f1b", "zb_h1", "interleaved", "simple")]
+                 for cut in SMP_CUTS[name] for s in ("1f1b", "zb_h1", "interleaved", "simple")
+                 + (("zb_v",) if cut == "auto" else ())]
     for label, fn, args in launches:
         out = run_ranks(fn, 2, args=args, env=env, timeout=900)
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))

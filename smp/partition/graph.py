@@ -49,6 +49,10 @@ class ModuleNode:
     param_count: int = 0
     output_bytes: int | None = None
     atomic: bool = False
+    no_return_cut: bool = False
+    """A cut back to a rank the chain visited before must not fall inside it: a layer whose own code
+    adds its children's outputs to its input would, on that way back, fetch two values whose
+    graphs meet on the other rank, and its backward would visit that rank twice."""
 
     @property
     def boundary_bytes(self) -> int:

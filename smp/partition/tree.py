@@ -56,7 +56,8 @@ _EPS = 1e-12
 class _Solver:
     """Solves one item sequence: glued groups, anchors, memory checks, exact chain DP."""
 
-    def __init__(self, cost: CostModel, budget: MemoryBudget, stage_ranks: Sequence[int]) -> None:
+    def __init__(self, cost: CostModel, budget: MemoryBudget, stage_ranks: Sequence[int], tree: ModuleTree) -> None:
+        self.tree = tree
         self.cost = cost
         self.budget = budget
         self.stage_ranks = tuple(stage_ranks)
@@ -81,8 +82,36 @@ class _Solver:
         costs = [self.item_cost(it) for it in items]
         keys: list[frozenset[Hashable]] = [frozenset(it.groups) for it in items]
         make_fits = self._fits_factory(items) if capped and self.budget.cap_bytes is not None else None
+        if self.part_ranks[:1] == self.part_ranks[-1:] and len(self.part_ranks) > 1:
+            make_fits = self._way_back(items, make_fits)
         return split_glued(costs, keys, self.parts, make_fits=make_fits, weights=self.weights,
                            ranks=self.part_ranks if self.weights is not None else None)
+
+    def _way_back(self, items: Sequence[WorkItem], inner: Callable[[Reduction], SegmentCheck | None] | None
+                  ) -> Callable[[Reduction], SegmentCheck]:
+        """``inner``'s check, and the last part (the way back to the first rank) never starting
+        inside a module marked ``no_return_cut``."""
+        tree = self.tree
+        ok = []
+        for it in items:
+            up, clean = tree.parent(it.path), True
+            while up is not None:
+                clean = clean and not tree.node(up).no_return_cut
+                up = tree.parent(up)
+            ok.append(clean)
+        last = self.parts - 1
+
+        def make(reduction: Reduction) -> SegmentCheck:
+            check = inner(reduction) if inner is not None else None
+
+            def fits(part: int, start: int, stop: int) -> bool:
+                if part == last and not ok[reduction.placed[start][0]]:
+                    return False
+                return check is None or check(part, start, stop)
+
+            return fits
+
+        return make
 
     def _fits_factory(self, items: Sequence[WorkItem]) -> Callable[[Reduction], SegmentCheck]:
         ranks = self.part_ranks
@@ -169,7 +198,7 @@ def partition_tree(
         total_compute=sum(compute(p) for p in tree.order),
         param_memory_factor=param_memory_factor,
     )
-    solver = _Solver(cost, budget, ranks)
+    solver = _Solver(cost, budget, ranks, tree)
     openable = {p for p in tree.order if expandable(tree, p)}
     finest_items = lower(tree, openable, compute)
     finest = solver.solve(finest_items)

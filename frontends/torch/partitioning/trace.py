@@ -313,8 +313,16 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
             compute=float(compute.get(path, 0.0)) if compute else (1.0 if tr is None or path in order else 0.0),
             shared_groups=frozenset(shared.get(path, ())),
             param_count=sum(p.numel() for p in own),
-            atomic=_atomic(path, module, *_ancestors(modules, path))))
+            atomic=_atomic(path, module, *_ancestors(modules, path)),
+            no_return_cut=_layer(path, module, *_ancestors(modules, path))))
     return ModuleTree(nodes)
+
+
+def _layer(path: str, module: nn.Module, parent: nn.Module | None, _grandparent: nn.Module | None) -> bool:
+    """A layer of a container (a decoder layer, a GPT block) that has children: its code mixes
+    their outputs with its input (residual adds), so a V's way back is cut only between layers."""
+    return bool(path) and isinstance(parent, _CONTAINERS) and not isinstance(module, _CONTAINERS) \
+        and any(True for _ in module.children())
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

@@ -268,3 +268,20 @@ def test_exclusive_compute_subtracts_the_members_of_a_never_called_container() -
                             {"": ["model"], "model": ["model.embed", "model.layers"],
                              "model.layers": ["model.layers.0", "model.layers.1"]})
     assert own == {"": 1.0, "model": 1.0, "model.embed": 1.0, "model.layers.0": 4.0, "model.layers.1": 5.0}
+
+
+def test_the_way_back_of_a_v_is_never_cut_inside_a_marked_layer() -> None:
+    """A layer marked ``no_return_cut`` may be cut on the way out (rank 0 -> 1) but not on the way
+    back to rank 0: the last part starts at a layer boundary (unmarked, the exact split cuts there)."""
+    def tree(marked: bool) -> ModuleTree:
+        nodes = [ModuleNode("", ("layers",)), ModuleNode("layers", tuple(f"l{i}" for i in range(3)))]
+        for i, (a, b) in enumerate([(1.0, 1.0), (2.0, 2.0), (1.0, 3.0)]):
+            nodes.append(ModuleNode(f"l{i}", (f"l{i}.a", f"l{i}.b"), no_return_cut=marked))
+            nodes += [ModuleNode(f"l{i}.a", param_bytes=1, compute=a), ModuleNode(f"l{i}.b", param_bytes=1, compute=b)]
+        return ModuleTree(nodes)
+
+    free = partition_tree(tree(False), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0), tolerance=0.0)
+    assert (free.assignment["l2.a"], free.assignment["l2.b"]) == (1, 0), free.assignment  # back inside l2
+    part = partition_tree(tree(True), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0), tolerance=0.0)
+    assert part.chain() == (0, 1, 0)
+    assert part.assignment["l2.a"] == part.assignment["l2.b"], part.assignment
