@@ -19,7 +19,7 @@ from typing import Any
 from smp.config.rules import Reads, RuleContext, apply_rules
 from smp.config.schema import ALIASES, KEYS, KEYS_BY_NAME, Key
 from smp.errors import ConfigProblem, SMPConfigError
-from smp.pipeline.chains import vee_chain
+from smp.pipeline.registry import default_chain
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 
@@ -46,9 +46,9 @@ class PartitionSection:
     optimize: str
     contiguous: bool
     virtual_stages: int
-    stage_ranks: tuple[int, ...] = ()
-    """The rank of each chain part in order (``zb_v``: the V ``0 .. p-1, p-1 .. 0``); empty: the
-    loop ``0 .. p-1`` repeated ``virtual_stages`` times."""
+    stage_ranks: tuple[int, ...]
+    """The rank of each chain part in order (`smp.pipeline.registry.default_chain`: the V for
+    ``zb_v``, else the loop ``0 .. p-1`` repeated ``virtual_stages`` times)."""
 
 
 class Config:
@@ -120,7 +120,7 @@ class Config:
             optimize=self.optimize,
             contiguous=self.contiguous,
             virtual_stages=self.virtual_stages,
-            stage_ranks=vee_chain(self.pipeline_parallel_degree, 2) if self.pipeline == "zb_v" else (),
+            stage_ranks=default_chain(self.pipeline, self.pipeline_parallel_degree, self.virtual_stages),
         )
 
 

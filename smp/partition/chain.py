@@ -312,26 +312,11 @@ _VEE_SLACK = 0.01
 def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None) -> list[int] | None:
     """Boundaries ``[0, i, j, n]`` of the V ``a b a``: the middle part ``[i, j)`` on one rank, both
     ends on the other. Among splits within `_VEE_SLACK` of the least max(middle, ends), the one
-    whose first and last parts are closest. Only the ``j`` on either side of half the total can
-    be best for a given ``i``: O(n log n) without ``fits``."""
-    import bisect
-
+    whose first and last parts are closest. Every (i, j) is tried: O(n^2)."""
     total = s[n]
-
-    def ok(i: int, j: int) -> bool:
-        return fits is None or (fits(0, 0, i) and fits(1, i, j) and fits(2, j, n))
-
-    def candidates() -> list[tuple[float, float, int, int]]:
-        out = []
-        for i in range(1, n - 1):
-            at = bisect.bisect_left(s, s[i] + total / 2, i + 1, n)
-            near = range(i + 1, n) if fits is not None else sorted({max(i + 1, min(n - 1, at + d)) for d in (-1, 0)})
-            for j in near:
-                middle = s[j] - s[i]
-                out.append((max(middle, total - middle), abs(s[i] - (total - s[j])), i, j))
-        return out
-
-    found = [c for c in candidates() if ok(c[2], c[3])]
+    found = [(max(s[j] - s[i], total - s[j] + s[i]), abs(s[i] - (total - s[j])), i, j)
+             for i in range(1, n - 1) if fits is None or fits(0, 0, i)
+             for j in range(i + 1, n) if fits is None or (fits(1, i, j) and fits(2, j, n))]
     if not found:
         return None
     least = min(c[0] for c in found)

@@ -17,6 +17,7 @@ and ``SEND_B(m, s)`` matches ``RECV_B(m, s - 1)``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,6 +36,7 @@ __all__ = [
     "RECV_B",
     "COMPUTE_KINDS",
     "COMM_KINDS",
+    "last_forward",
 ]
 
 
@@ -146,3 +148,8 @@ class Action:
         if arrow is not None:
             raise ScheduleError(f"cannot read action {token!r}: compute actions have no peer rank")
         return cls(kind, int(microbatch), int(segment))
+
+
+def last_forward(actions: Sequence[Action]) -> int:
+    """The index of the last forward in one rank's ``actions`` (-1: none); what follows is its cool-down."""
+    return max((i for i, a in enumerate(actions) if a.kind is FORWARD), default=-1)

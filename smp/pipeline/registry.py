@@ -35,7 +35,7 @@ from smp.pipeline.schedules.smp_v1 import build_gpipe, build_interleaved, build_
 from smp.pipeline.schedules.zero_bubble import build_zb_h1, build_zb_v
 from smp.pipeline.validate import peak_held, validate_plan
 
-__all__ = ["Schedule", "SCHEDULES", "build_plan"]
+__all__ = ["Schedule", "SCHEDULES", "build_plan", "default_chain"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,19 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule("_only_forward", build_only_forward, "forwards only, for evaluation steps", True, smp_default_cap=True, forward_only=True),
     )
 }
+
+
+def default_chain(name: str, num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The ranks of schedule ``name``'s chain parts when the model's placement does not give them:
+    the V ``0 .. p-1, p-1 .. 0`` for ``zb_v``, else ``0 .. p-1`` looped ``virtual_stages`` times
+    (what `build_plan` plans on, and what automatic partitioning places the model on).
+
+    Example:
+        >>> default_chain("zb_v", 2), default_chain("interleaved_1f1b", 2, 2)
+        ((0, 1, 1, 0), (0, 1, 0, 1))
+    """
+    schedule = SCHEDULES.get(name)
+    return vee_chain(num_ranks, 2) if schedule is not None and schedule.vee else looped_chain(num_ranks, virtual_stages)
 
 
 def build_plan(
@@ -136,7 +149,7 @@ def build_plan(
     if problems:
         raise ScheduleError(f"cannot build {name!r}:\n" + "\n".join(f"  - {p}" for p in problems))
     if chain is None:
-        path = vee_chain(num_ranks, 2) if schedule.vee else looped_chain(num_ranks, virtual_stages)
+        path = default_chain(name, num_ranks, virtual_stages)
     else:
         path = tuple(int(r) for r in chain)
     chain_problems = check_chain(path, num_ranks)

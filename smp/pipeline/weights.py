@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import replace
 
-from smp.pipeline.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from smp.pipeline.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, last_forward
 from smp.pipeline.costs import Costs
 from smp.pipeline.plan import Plan
 from smp.pipeline.simulate import timed_walk
@@ -55,13 +55,13 @@ def cooldown_weights(plan: Plan, ranks: Collection[int], costs: Costs | None = N
         ranks: the ranks whose executor can run a backward in two parts.
         costs: the segment costs to choose k with.
     """
-    if costs is None or not ranks:
+    most = max((sum(a.kind is BACKWARD_WEIGHT for a in acts[last_forward(acts) + 1:])
+                for rank, acts in plan.actions.items() if rank in ranks), default=0)
+    if costs is None or most == 0:  # nothing to choose (no W to keep apart: every non-zero-bubble plan)
         return _apart(plan, ranks, None)
     resolved = costs.resolve(plan.num_segments)
     split = replace(resolved, backward_input=tuple(SPLIT_COST * i for i in resolved.backward_input),
                     backward_weight=tuple(SPLIT_COST * w for w in resolved.backward_weight))
-    most = max(sum(a.kind is BACKWARD_WEIGHT for a in acts[_last_forward(acts) + 1:])
-               for rank, acts in plan.actions.items() if rank in ranks)
     best: tuple[float, Plan] | None = None
     for k in range(most + 1):
         candidate = _apart(plan, ranks, k)
@@ -73,18 +73,13 @@ def cooldown_weights(plan: Plan, ranks: Collection[int], costs: Costs | None = N
     return best[1]
 
 
-def _last_forward(acts: list[Action]) -> int:
-    return max((i for i, a in enumerate(acts) if a.kind is FORWARD), default=-1)
-
-
 def _apart(plan: Plan, ranks: Collection[int], keep: int | None) -> Plan:
     """``plan`` with the last ``keep`` (None: all) Ws after each of ``ranks``' last forward apart
     and every other W folded into its I."""
     actions: dict[int, list[Action]] = {}
     for rank, acts in plan.actions.items():
-        last_forward = _last_forward(acts)
-        late = [(a.microbatch, a.segment) for a in acts[last_forward + 1:] if a.kind is BACKWARD_WEIGHT]
-        apart = set(late if keep is None else late[len(late) - keep:] if keep else []) if rank in ranks else set()
+        late = [(a.microbatch, a.segment) for a in acts[last_forward(acts) + 1:] if a.kind is BACKWARD_WEIGHT]
+        apart = set(late if keep is None else late[len(late) - keep:]) if rank in ranks else set()
         out: list[Action] = []
         for a in acts:
             key = (a.microbatch, a.segment)

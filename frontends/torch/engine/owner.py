@@ -15,8 +15,8 @@ import torch
 
 from smp.pipeline.baton import BACKWARD, FORWARD, WEIGHT
 
-from .split import WeightGrads, backward_input
 from .refs import RemoteTensor
+from .split import WeightGrads, backward_input
 from .task import Alias, Task, ref_or_value
 from .wire import BWD_REP, FETCH_REP, FWD_REP, Cached, Message, Out, Ref, Slot, map_structure
 

@@ -320,7 +320,8 @@ def plan_hf_model(
     """Build ``cfg``'s model on meta, partition it over ``pp`` ranks, build and simulate the plan."""
     from transformers import AutoModelForCausalLM
 
-    from smp.pipeline import Costs, build_plan, looped_chain, simulate, vee_chain
+    from smp.pipeline import Costs, build_plan, simulate
+    from smp.pipeline.registry import default_chain
 
     start = time.perf_counter()
     seq = seq_len or min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)
@@ -333,7 +334,7 @@ def plan_hf_model(
                                  recompute=recompute, split_layers=split_layers)
     weight = memory_weight_for(optimize) if memory_weight is None else memory_weight
     factor = (dtype_bytes + grad_bytes + optimizer_bytes) / dtype_bytes
-    stage_ranks = vee_chain(pp, 2) if pipeline == "zb_v" else looped_chain(pp, virtual_stages)
+    stage_ranks = default_chain(pipeline, pp, virtual_stages)
     notes: list[str] = []
     in_flight: list[int] | None = None
     part = partition_tree(tree, pp, memory_weight=weight, stage_ranks=stage_ranks, param_memory_factor=factor)

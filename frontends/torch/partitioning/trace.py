@@ -318,11 +318,12 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
     return ModuleTree(nodes)
 
 
-def _layer(path: str, module: nn.Module, parent: nn.Module | None, _grandparent: nn.Module | None) -> bool:
-    """A layer of a container (a decoder layer, a GPT block) that has children: its code mixes
-    their outputs with its input (residual adds), so a V's way back is cut only between layers."""
+def _layer(path: str, module: nn.Module, parent: nn.Module | None, _grandparent: nn.Module | None = None) -> bool:
+    """A layer of a container (a decoder layer, a GPT block) that has children. It may be opened one
+    level (`_atomic`); its code mixes their outputs with its input (residual adds), so a V's way
+    back is cut only between layers."""
     return bool(path) and isinstance(parent, _CONTAINERS) and not isinstance(module, _CONTAINERS) \
-        and any(True for _ in module.children())
+        and next(module.children(), None) is not None
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -351,10 +352,8 @@ def _atomic(path: str, module: nn.Module, parent: nn.Module | None, grandparent:
     if not path or isinstance(module, _CONTAINERS):
         return False
     children = list(module.children())
-    if not children:
-        return False
-    if isinstance(parent, _CONTAINERS):
-        return False  # a layer: open into its children, which stay whole (next case)
+    if not children or _layer(path, module, parent):
+        return False  # a leaf; or a layer: open into its children, which stay whole (next case)
     if isinstance(grandparent, _CONTAINERS):
         return True
     return not any(isinstance(c, _CONTAINERS) for c in children)
@@ -369,8 +368,7 @@ _TOLERANCE = 0.02
 def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
     section = cfg.partition_section()
     return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
-                          virtual_stages=section.virtual_stages, stage_ranks=section.stage_ranks or None,
-                          tolerance=_TOLERANCE)
+                          stage_ranks=section.stage_ranks, tolerance=_TOLERANCE)
 
 
 def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
