@@ -381,8 +381,7 @@ def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str
     per microbatch each way. Run where the loop runs, the layer's calls continue rank 1's open run
     and then rank 0's own work: the microbatch still crosses once. The same holds for an
     ``nn.Sequential`` (it calls its children); the caller is the nearest ancestor that is called
-    (``ModuleList`` and ``ModuleDict`` never are). A module whose children all sit on one other
-    rank (the cut fell between its own work and its first child) goes with them: whole there.
+    (``ModuleList`` and ``ModuleDict`` never are).
     """
     out = dict(assignment)
     modules = dict(root.named_modules())
@@ -390,15 +389,12 @@ def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str
         if not path or isinstance(module, _NEVER_CALLED):
             continue
         children = {out[f"{path}.{name}"] for name, c in module.named_children() if next(c.parameters(), None) is not None}
-        if len(children) == 1:
-            rank = next(iter(children))  # the core cut between its own work and its first child: whole there
-        elif len(children) > 1:
-            up = path.rpartition(".")[0]
-            while up and isinstance(modules[up], _NEVER_CALLED):
-                up = up.rpartition(".")[0]
-            rank = out[up]
-        else:
+        if len(children) < 2:
             continue
+        up = path.rpartition(".")[0]
+        while up and isinstance(modules[up], _NEVER_CALLED):
+            up = up.rpartition(".")[0]
+        rank = out[up]
         if out[path] == rank:
             continue
         out[path] = rank

