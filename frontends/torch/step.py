@@ -81,13 +81,18 @@ class StepFunction:
         plan = expected = None
         lights: list[tuple[str, int]] = []
         if recorded is not None and recorded.static:
-            try:
-                plan, expected, lights = rank_plan(cfg.pipeline_section(), recorded.chain, recorded.backward,
-                                                   model.pp_rank, engine.light, recorded.costs,
-                                                   forward_active=cfg.active_microbatches,
-                                                   split_weights=cfg.tensor_parallel_degree == 1)
-            except SMPError as e:
-                logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order", recorded.chain, e)
+            if recorded.plan is None:
+                try:
+                    recorded.plan = rank_plan(cfg.pipeline_section(), recorded.chain, recorded.backward,
+                                              model.pp_rank, engine.light, recorded.costs,
+                                              forward_active=cfg.active_microbatches,
+                                              split_weights=cfg.tensor_parallel_degree == 1)
+                except SMPError as e:
+                    recorded.plan = e
+                    logger.warning("no static plan for chain %s (%s); using SMP v1's dynamic order",
+                                   recorded.chain, e)
+            if not isinstance(recorded.plan, SMPError):
+                plan, expected, lights = recorded.plan
         # The first (recording) step runs one microbatch at a time: its order cannot depend on
         # timing, so buffers such as BatchNorm statistics see the microbatches in order, and the
         # durations measured to pick light actions are undisturbed.
@@ -109,18 +114,19 @@ class StepFunction:
         started = time.perf_counter()
         results, info = engine.run_step(bodies, len(parts), baton, torch.is_grad_enabled(), payload)
         model.last_timeline = list(engine.events)
+        if plan is not None and recorded is not None:
+            recorded.planned += 1
+            if recorded.planned == _MEASURE_AGAIN:
+                # Note [costs measured again]: the recording step ran one microbatch at a time; a
+                # planned step runs them side by side, and its durations are what the plan meets.
+                recorded.costs = segment_costs(recorded.chain, _durations(engine, cfg)) or recorded.costs
+                recorded.plan = None
         if recorded is None and info is not None:
             # The dynamic rules (interleaved, simple) become static plans by simulating them with
             # the costs measured on this first step (every pipeline rank shares its durations).
-            from .runtime.comm import PP_GROUP, TP_GROUP, allgather
-
-            per_rank = allgather(engine.durations(engine.events), PP_GROUP)
-            if cfg.tensor_parallel_degree > 1:
-                # TP peers sit in different pipelines and meet in collectives inside their actions:
-                # they must run the very same order, so all of them use tp_rank 0's measurements.
-                per_rank = allgather(per_rank, TP_GROUP)[0]
-                # Light actions would issue TP collectives from a second thread, in an order that
-                # differs between peers: with TP every action takes the baton.
+            per_rank = _durations(engine, cfg)
+            # Light actions would issue TP collectives from a second thread, in an order that
+            # differs between peers: with TP every action takes the baton.
             engine.mark_light(per_rank[model.pp_rank] if cfg.tensor_parallel_degree == 1 else {})
             chain = list(info["chain"])
             # The scheduler's plans walk the chain backward in reverse; a step whose backward skips
@@ -136,6 +142,33 @@ class StepFunction:
                 logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
                             self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)
         return results
+
+
+# Note [costs measured again]: the static plan is built from the durations of the recording step,
+# whose microbatches ran one at a time (so that its order cannot depend on timing). Run side by
+# side they take other times: two microbatches' threads share the rank, and memory is warm. Once,
+# after the first planned step, every rank shares that step's durations (each kind of action's
+# median over the microbatches) and builds its plan again from them. Measured on the ModuleList
+# GPT of benchmarks/bench_pipeline.py under zb_v with the V cut inside block 1 (2 CPU ranks, 8
+# microbatches, paired launches, median step after the refresh): 498-512 ms against 524-528 with
+# the recording step's costs (refresh after the third step), 515 / 521 / 564 against 562 / 528 /
+# 570 (after the first) in a slower hour. Once, not on every step: a plan that followed each step's
+# noise would change the order back and forth.
+_MEASURE_AGAIN = 1
+
+
+def _durations(engine: Any, cfg: Any) -> list[dict[tuple[str, int], float]]:
+    """Every pipeline rank's median (kind, ordinal) action durations of the step that just ran.
+
+    TP peers sit in different pipelines and meet in collectives inside their actions: they must
+    run the very same order, so all of them use tp_rank 0's measurements.
+    """
+    from .runtime.comm import PP_GROUP, TP_GROUP, allgather
+
+    per_rank = allgather(engine.durations(engine.events), PP_GROUP)
+    if cfg.tensor_parallel_degree > 1:
+        per_rank = allgather(per_rank, TP_GROUP)[0]
+    return per_rank
 
 
 def step(func: Callable[..., Any] | None = None, *, non_split_inputs: Any = None, input_split_axes: Any = None,

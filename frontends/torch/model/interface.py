@@ -33,6 +33,9 @@ class RecordedStep:
         static: whether the shared scheduler can plan it: its backward visits the chain's ranks in
             reverse (not so when some cross-rank calls get no gradient, e.g. under ``torch.no_grad()``).
         seconds: the recording step's wall time (its microbatches ran one at a time).
+        planned: steps run on a static plan so far (the costs are measured again once, see step.py).
+        plan: this rank's plan for the current costs (built once, not on every step), or the
+            error that stopped it.
     """
 
     chain: list[int]
@@ -40,6 +43,8 @@ class RecordedStep:
     costs: Any
     static: bool = True
     seconds: float = 0.0
+    planned: int = 0
+    plan: Any = None
 
 
 class StepModel(Protocol):
