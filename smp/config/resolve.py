@@ -49,6 +49,7 @@ class PartitionSection:
     stage_ranks: tuple[int, ...]
     """The rank of each chain part in order (`smp.pipeline.registry.default_chain`: the V for
     ``zb_v``, else the loop ``0 .. p-1`` repeated ``virtual_stages`` times)."""
+    microbatches: int = 1
 
 
 class Config:
@@ -121,6 +122,7 @@ class Config:
             contiguous=self.contiguous,
             virtual_stages=self.virtual_stages,
             stage_ranks=default_chain(self.pipeline, self.pipeline_parallel_degree, self.virtual_stages),
+            microbatches=self.microbatches,
         )
 
 

@@ -234,6 +234,7 @@ def partition_chain(
     balance: bool = True,
     weights: Sequence[float] | None = None,
     ranks: Sequence[int] | None = None,
+    microbatches: int = 8,
 ) -> list[int]:
     """Split ``costs`` into ``num_parts`` contiguous non-empty parts with the least bottleneck.
 
@@ -248,9 +249,11 @@ def partition_chain(
             ``cost / weight``. A rank that runs two consecutive chain parts (the bottom of a V)
             is one part of weight 2.
         ranks: the rank of each part, when a rank runs several. For the V over 2 ranks
-            (``a b a``) the split is exact for what the pipeline waits on, the larger of the two
-            ranks' sums, and among those the one whose first and last part are closest (they
-            are the pipeline's fill and drain); other placements use the per-part bottleneck.
+            (``a b a``) the split is exact for the step it estimates: ``microbatches`` times the
+            larger of the two ranks' sums plus how far apart its first and last part are (the
+            pipeline's fill and drain, `_two_rank_vee`); other placements use the per-part
+            bottleneck.
+        microbatches: microbatches per step (only the V over 2 ranks uses it).
 
     Returns:
         Boundaries ``[0, b1, ..., n]``: part ``k`` is ``costs[b[k]:b[k+1]]``.
@@ -283,7 +286,7 @@ def partition_chain(
     s = _prefix(costs)
     w = _weights(weights, num_parts)
     if ranks is not None and len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]:
-        bounds = _two_rank_vee(s, n, fits)
+        bounds = _two_rank_vee(s, n, fits, microbatches)
         if bounds is None:
             raise PartitionMemoryError(f"no split of {n} blocks into a V over 2 ranks satisfies the segment limits")
         return bounds
@@ -303,24 +306,28 @@ def partition_chain(
     return bounds
 
 
-# How far above the least larger-rank load the V over 2 ranks may stay to bring its ends closer
-# together: the first part's forward and backward of one microbatch are the step's fill and drain
-# (a quarter of the model each way against three eighths: about 3 % of an 8-microbatch step).
-_VEE_SLACK = 0.01
-
-
-def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None) -> list[int] | None:
+def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None, microbatches: int) -> list[int] | None:
     """Boundaries ``[0, i, j, n]`` of the V ``a b a``: the middle part ``[i, j)`` on one rank, both
-    ends on the other. Among splits within `_VEE_SLACK` of the least max(middle, ends), the one
-    whose first and last parts are closest. Every (i, j) is tried: O(n^2)."""
+    ends on the other. Every (i, j) is tried (O(n^2)) for the least estimated step
+
+        microbatches * max(middle, ends) + |first - last|
+
+    The first term is the steady state: each rank's work per microbatch, the larger one paced. The
+    second is the fill and the drain: before the other rank starts, the first microbatch runs the
+    first part alone, and after its last backward the last one runs the first part's backward
+    alone; the last part does the same at the bottom of the V, so what a lopsided pair of ends
+    costs over an even one is about their difference. Simulated with measured costs of the HF
+    Llama of benchmarks/bench_pipeline.py (4.5 layers in the middle, 8 microbatches, zb_v's plan):
+    ends of 3.5 layers and the head 689 ms, 2.5 and 1 + head 650, 1.5 and 2 + head 659; the
+    estimate orders them the same (676 / 643 / 664). A least-max rule with a 1 % tie band picked
+    among the three by the noise of the traced layer times."""
     total = s[n]
-    found = [(max(s[j] - s[i], total - s[j] + s[i]), abs(s[i] - (total - s[j])), i, j)
+    found = [(microbatches * max(s[j] - s[i], total - s[j] + s[i]) + abs(s[i] - (total - s[j])), i, j)
              for i in range(1, n - 1) if fits is None or fits(0, 0, i)
              for j in range(i + 1, n) if fits is None or (fits(1, i, j) and fits(2, j, n))]
     if not found:
         return None
-    least = min(c[0] for c in found)
-    _, _, i, j = min((c for c in found if c[0] <= least * (1 + _VEE_SLACK)), key=lambda c: (c[1], c[0]))
+    _, i, j = min(found)
     return [0, i, j, n]
 
 

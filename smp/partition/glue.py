@@ -147,13 +147,15 @@ def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int],
 
 
 def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fits: FitsFactory | None,
-           weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None) -> GluedSplit | None:
+           weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None,
+           microbatches: int = 8) -> GluedSplit | None:
     if len(reduction.carried) < num_parts:
         return None
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]
     fits = make_fits(reduction) if make_fits is not None else None
     try:
-        bounds = partition_chain(seq_costs, num_parts, fits=fits, weights=weights, ranks=ranks)
+        bounds = partition_chain(seq_costs, num_parts, fits=fits, weights=weights, ranks=ranks,
+                                 microbatches=microbatches)
     except PartitionMemoryError:
         return None
     return _finish(costs, reduction, bounds, len(costs), weights, ranks)
@@ -167,6 +169,7 @@ def split_glued(
     make_fits: FitsFactory | None = None,
     weights: Sequence[float] | None = None,
     ranks: Sequence[int] | None = None,
+    microbatches: int = 8,
 ) -> GluedSplit | None:
     """The least-bottleneck split of items into ``num_parts`` parts, items sharing a key glued.
 
@@ -177,6 +180,7 @@ def split_glued(
         make_fits: builds the per-part check for a given reduction (memory limits).
         weights: each part's share of the work (`partition_chain`); the bottleneck is per weight.
         ranks: each part's rank, with ``weights``: the bottleneck is per rank (`partition_chain`).
+        microbatches: microbatches per step (`partition_chain`: the V over 2 ranks).
 
     Returns:
         The best split found, or None when there are too few pieces or nothing fits.
@@ -189,7 +193,7 @@ def split_glued(
     blocks = _blocks(costs)
     glued = _glued_sets(blocks, keys)
     anchors = [g[0] for g in glued]
-    best = _solve(costs, _reduce(blocks, glued, anchors), num_parts, make_fits, weights, ranks)
+    best = _solve(costs, _reduce(blocks, glued, anchors), num_parts, make_fits, weights, ranks, microbatches)
     if len(glued) > _MAX_SETS_FOR_DESCENT:
         return best
     for _ in range(_ROUNDS):
@@ -199,7 +203,7 @@ def split_glued(
                 if cand == anchors[gi]:
                     continue
                 trial = [*anchors[:gi], cand, *anchors[gi + 1:]]
-                sol = _solve(costs, _reduce(blocks, glued, trial), num_parts, make_fits, weights, ranks)
+                sol = _solve(costs, _reduce(blocks, glued, trial), num_parts, make_fits, weights, ranks, microbatches)
                 if sol is not None and (best is None or sol.key() < best.key()):
                     best, anchors, changed = sol, trial, True
         if not changed:

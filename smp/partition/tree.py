@@ -56,8 +56,10 @@ _EPS = 1e-12
 class _Solver:
     """Solves one item sequence: glued groups, anchors, memory checks, exact chain DP."""
 
-    def __init__(self, cost: CostModel, budget: MemoryBudget, stage_ranks: Sequence[int], tree: ModuleTree) -> None:
+    def __init__(self, cost: CostModel, budget: MemoryBudget, stage_ranks: Sequence[int], tree: ModuleTree,
+                 microbatches: int = 8) -> None:
         self.tree = tree
+        self.microbatches = microbatches
         self.cost = cost
         self.budget = budget
         self.stage_ranks = tuple(stage_ranks)
@@ -85,7 +87,8 @@ class _Solver:
         if self.part_ranks[:1] == self.part_ranks[-1:] and len(self.part_ranks) > 1:
             make_fits = self._way_back(items, make_fits)
         return split_glued(costs, keys, self.parts, make_fits=make_fits, weights=self.weights,
-                           ranks=self.part_ranks if self.weights is not None else None)
+                           ranks=self.part_ranks if self.weights is not None else None,
+                           microbatches=self.microbatches)
 
     def _way_back(self, items: Sequence[WorkItem], inner: Callable[[Reduction], SegmentCheck | None] | None
                   ) -> Callable[[Reduction], SegmentCheck]:
@@ -142,6 +145,7 @@ def partition_tree(
     in_flight: int | Sequence[int] | None = None,
     param_memory_factor: float = 4.0,
     tolerance: float = 0.05,
+    microbatches: int = 8,
 ) -> TreePartition:
     """Assign every module of ``tree`` to one of ``num_ranks`` pipeline ranks.
 
@@ -159,6 +163,8 @@ def partition_tree(
         param_memory_factor: bytes held per parameter byte (weights + grads + optimizer state).
         tolerance: how far above the finest achievable bottleneck a coarser split may stay
             before a module is opened (0.05 = 5 %).
+        microbatches: microbatches per step; a V over 2 ranks weighs its fill and drain by it
+            (`smp.partition.chain.partition_chain`).
 
     Returns:
         A `TreePartition` (``method == "auto"``) with every module's rank and the chain.
@@ -198,7 +204,9 @@ def partition_tree(
         total_compute=sum(compute(p) for p in tree.order),
         param_memory_factor=param_memory_factor,
     )
-    solver = _Solver(cost, budget, ranks, tree)
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise PartitionError(f"microbatches={microbatches!r} must be an int >= 1")
+    solver = _Solver(cost, budget, ranks, tree, microbatches)
     openable = {p for p in tree.order if expandable(tree, p)}
     finest_items = lower(tree, openable, compute)
     finest = solver.solve(finest_items)

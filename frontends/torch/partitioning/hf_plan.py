@@ -337,7 +337,8 @@ def plan_hf_model(
     stage_ranks = default_chain(pipeline, pp, virtual_stages)
     notes: list[str] = []
     in_flight: list[int] | None = None
-    part = partition_tree(tree, pp, memory_weight=weight, stage_ranks=stage_ranks, param_memory_factor=factor)
+    part = partition_tree(tree, pp, memory_weight=weight, stage_ranks=stage_ranks, param_memory_factor=factor,
+                          microbatches=microbatches)
     for _ in range(3):  # the in-flight counts depend on the plan, which depends on the partition
         segments = part.segments()
         fwd = [s.totals.compute / (tflops * 1e12) for s in segments]
@@ -355,7 +356,8 @@ def plan_hf_model(
         in_flight = list(sim.peak_in_flight)
         try:
             capped = partition_tree(tree, pp, memory_weight=weight, stage_ranks=stage_ranks, param_memory_factor=factor,
-                                    memory_cap_bytes=device_memory - totals["recompute_bytes"], in_flight=in_flight)
+                                    memory_cap_bytes=device_memory - totals["recompute_bytes"], in_flight=in_flight,
+                                    microbatches=microbatches)
         except PartitionMemoryError:
             notes.append("no partition fits --device-memory with this schedule's in-flight microbatches; "
                          "showing the balanced partition")

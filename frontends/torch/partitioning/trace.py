@@ -368,7 +368,7 @@ _TOLERANCE = 0.02
 def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
     section = cfg.partition_section()
     return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
-                          stage_ranks=section.stage_ranks, tolerance=_TOLERANCE)
+                          stage_ranks=section.stage_ranks, tolerance=_TOLERANCE, microbatches=section.microbatches)
 
 
 def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:

@@ -138,13 +138,30 @@ def test_large_chain_is_fast_and_optimal() -> None:
 
 
 def test_the_v_over_two_ranks_balances_the_ranks_then_its_ends() -> None:
-    """Parts ``a b a``: the middle on one rank, both ends on the other. The larger rank sum is as
-    small as it can be (6 of 12), and among such splits the ends are closest (the fill and the drain)."""
-    costs = [1.0] * 8 + [4.0]
-    bounds = partition_chain(costs, 3, weights=[1, 2, 1], ranks=[0, 1, 0])
-    loads = part_costs(costs, bounds)
+    """Parts ``a b a``: the middle on one rank, both ends on the other. The split has the least
+    estimated step, ``microbatches`` x the larger rank sum + how far apart the ends are (the fill
+    and the drain); every (i, j) against it by brute force."""
+    even = [1.0] * 8 + [4.0]
+    bounds = partition_chain(even, 3, weights=[1, 2, 1], ranks=[0, 1, 0])
+    loads = part_costs(even, bounds)
     assert loads[1] == 6.0 and loads[0] + loads[2] == 6.0
     assert bounds == [0, 2, 8, 9], bounds
+    # A lopsided V: the least larger rank sum (16: ends 1 and 15) against a sum of 17 with ends 11
+    # and 6; over 8 microbatches 8 * 16 + 14 = 142 > 8 * 17 + 5 = 141, over 64 the sum wins.
+    lopsided = [1.0, 4.0, 6.0, 5.0, 3.0, 6.0, 6.0]
+    assert partition_chain(lopsided, 3, weights=[1, 2, 1], ranks=[0, 1, 0], microbatches=8) == [0, 3, 6, 7]
+    assert partition_chain(lopsided, 3, weights=[1, 2, 1], ranks=[0, 1, 0], microbatches=64) == [0, 1, 4, 7]
+    rng = random.Random(7)
+    for _ in range(200):
+        n, m = rng.randint(3, 9), rng.choice([1, 2, 8, 32])
+        costs = [float(rng.randint(0, 9)) for _ in range(n)]
+
+        def step(i: int, j: int, costs: list[float] = costs, m: int = m) -> float:
+            a, b, c = sum(costs[:i]), sum(costs[i:j]), sum(costs[j:])
+            return m * max(b, a + c) + abs(a - c)
+
+        got = partition_chain(costs, 3, weights=[1, 2, 1], ranks=[0, 1, 0], microbatches=m)
+        assert step(got[1], got[2]) == min(step(i, j) for i in range(1, n - 1) for j in range(i + 1, n)), (costs, m, got)
     # Memory limits are honoured: the middle may hold at most 5 blocks.
-    capped = partition_chain(costs, 3, weights=[1, 2, 1], ranks=[0, 1, 0], fits=lambda k, i, j: k != 1 or j - i <= 5)
+    capped = partition_chain(even, 3, weights=[1, 2, 1], ranks=[0, 1, 0], fits=lambda k, i, j: k != 1 or j - i <= 5)
     assert capped[2] - capped[1] <= 5
