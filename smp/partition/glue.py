@@ -129,9 +129,15 @@ def _reduce(blocks: Sequence[Sequence[int]], glued: Sequence[Sequence[int]], anc
 
 
 def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int], n_items: int,
-            weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None) -> GluedSplit:
+            weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None,
+            microbatches: int = 8) -> GluedSplit:
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]
     loads = part_costs(seq_costs, bounds)
+    # The V over 2 ranks also pays for the difference of its ends once a step (`partition_chain`):
+    # per microbatch and unit of weight, as the bottleneck is counted.
+    ends = 0.0
+    if weights is not None and ranks is not None and len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]:
+        ends = abs(loads[0] - loads[2]) / ((weights[0] + weights[2]) * microbatches)
     if weights is not None:
         if ranks is not None:  # what each rank runs, per unit of its weight
             loads = [sum(x for x, r in zip(loads, ranks, strict=True) if r == rank)
@@ -143,7 +149,7 @@ def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int],
         for pos in range(a, z):
             for i in reduction.carried[pos]:
                 part_of_item[i] = k
-    return GluedSplit(max(loads), sum(x * x for x in loads), tuple(part_of_item), reduction, tuple(bounds))
+    return GluedSplit(max(loads) + ends, sum(x * x for x in loads), tuple(part_of_item), reduction, tuple(bounds))
 
 
 def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fits: FitsFactory | None,
@@ -158,7 +164,7 @@ def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fi
                                  microbatches=microbatches)
     except PartitionMemoryError:
         return None
-    return _finish(costs, reduction, bounds, len(costs), weights, ranks)
+    return _finish(costs, reduction, bounds, len(costs), weights, ranks, microbatches)
 
 
 def split_glued(

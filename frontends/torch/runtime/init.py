@@ -26,7 +26,7 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
-from .heap import share_heap
+from .heap import keep_freed_memory, share_heap
 from .process_state import KEPT
 
 logger = logging.getLogger("smp")
@@ -109,6 +109,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     backend, device, _ = _backend()
     if device.type == "cpu":
         share_heap()  # before gloo's and the engine's threads exist (heap.py)
+        keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
     owns = launch.kind != "existing"
     if launch.kind == "single":
         dist.init_process_group("gloo" if backend == "gloo" else backend, store=dist.HashStore(), rank=0,
