@@ -237,6 +237,18 @@ def test_the_bottom_of_a_v_balances_ranks_not_stages() -> None:
         partition_tree(chain_tree([1.0] * 8), 2, memory_weight=0.0, stage_ranks=(0, 2))
 
 
+def test_a_v_over_two_ranks_weighs_its_ends_by_the_microbatches() -> None:
+    """The V's estimated step is microbatches x the larger rank sum + the difference of its ends
+    (`partition_chain`); the tree opens modules and picks the split by the same estimate."""
+    costs = [1.0, 4.0, 6.0, 5.0, 3.0, 6.0, 6.0]
+    few = partition_tree(chain_tree(costs), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0), microbatches=8)
+    many = partition_tree(chain_tree(costs), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0), microbatches=64)
+    assert few.local_paths(1)[-3:] == ("b3", "b4", "b5"), few.local_paths(1)  # ends 11 and 6, rank sums 17 / 14
+    assert many.local_paths(1)[-3:] == ("b1", "b2", "b3"), many.local_paths(1)  # ends 1 and 15, rank sums 16 / 15
+    with pytest.raises(PartitionError, match="microbatches"):
+        partition_tree(chain_tree(costs), 2, memory_weight=0.0, stage_ranks=(0, 1, 1, 0), microbatches=0)
+
+
 def test_virtual_stages_with_a_memory_cap_split_the_rank_budget() -> None:
     tree = chain_tree([1.0] * 8, acts=[10] * 8)
     part = partition_tree(tree, 2, memory_weight=0.0, virtual_stages=2, memory_cap_bytes=40,
