@@ -9,7 +9,9 @@ write them; one step = 8 microbatches of 2 sequences, the same data on every sid
   4 heads, MLP width 1024), loss = cross-entropy of the logits against the next tokens.
 
 torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over the same layers
-(first half of the layers + embedding | second half + head); smp runs the SMP v1 script shape
+(first half of the layers + embedding | second half + head); its 1F1B runs a second time with the
+glibc heap settings ``smp.init`` makes on CPU (mmap and trim thresholds, through glibc's
+environment variables), and "best torch" is the best of the three; smp runs the SMP v1 script shape
 (``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
 ``model.backward(loss)``) with the same cut through ``smp.set_partition`` and also with ``auto_partition``
 (SMP v1's default), which under ``zb_v`` places the model in a V (first and last layers on rank 0,
@@ -45,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from smp.torch.runtime.heap import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402
 from torch import nn  # noqa: E402
 
 from examples.gpt_model import GPT, gpt, lm_loss  # noqa: E402
@@ -376,15 +379,19 @@ def bench(name: str, steps: int, warmup: int) -> None:
     one = statistics.median(single(name, steps, warmup))
     t0, t1 = stage_times(name, steps, warmup)
     rows = []
-    launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
-        ("torch.distributed.pipelining", theirs, (name, s, steps, warmup)) for s in ("1f1b", "gpipe")]
+    launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...], dict[str, str]]] = [
+        ("torch.distributed.pipelining", theirs, (name, s, steps, warmup), env) for s in ("1f1b", "gpipe")]
+    # smp.init raises glibc's mmap and trim thresholds on CPU (frontends/torch/runtime/heap.py);
+    # torch with the same settings, through glibc's environment variables, counts as torch too.
+    launches.append(("torch.distributed.pipelining (smp's heap settings)", theirs, (name, "1f1b", steps, warmup),
+                     {**env, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}))
     # zb_v places the model in a V (its own cut: the first and last layers on rank 0), so only
     # automatic partitioning runs it; on the manual 2-stage cut it would be zb_h1 again.
-    launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup))
+    launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup), env)
                  for cut in SMP_CUTS[name] for s in ("1f1b", "zb_h1", "interleaved", "simple")
                  + (("zb_v",) if cut == "auto" else ())]
-    for label, fn, args in launches:
-        out = run_ranks(fn, 2, args=args, env=env, timeout=900)
+    for label, fn, args, launch_env in launches:
+        out = run_ranks(fn, 2, args=args, env=launch_env, timeout=900)
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
         rank1 = out[0].get("rank1", MODELS[name][4])
         rows.append((label, args[1], t, rank1, _chain(out[0]["chain"]) if "chain" in out[0] else "-"))

@@ -114,7 +114,7 @@ class StepFunction:
         started = time.perf_counter()
         results, info = engine.run_step(bodies, len(parts), baton, torch.is_grad_enabled(), payload)
         model.last_timeline = list(engine.events)
-        if plan is not None and recorded is not None:
+        if recorded is not None and recorded.static:  # the same on every pipeline rank (the leader's record)
             recorded.planned += 1
             if recorded.planned == _MEASURE_AGAIN:
                 # Note [costs measured again]: the recording step ran one microbatch at a time; a

@@ -19,9 +19,10 @@ leaves glibc's default (one arena per thread, up to 8 per core).
 Freed memory stays mapped (`keep_freed_memory`). By default glibc serves a block above its mmap
 threshold (128 KiB, raised up to the largest block freed so far) with fresh pages from the kernel,
 and gives the top of the heap back once more than twice that threshold is free there. A step
-allocates the same activation and gradient buffers again and again, so on CPU each one is
-page-faulted in anew: five 16 MiB buffers made and freed in a loop cost 1,229 minor faults per
-round by default and none with the thresholds raised. The automatic partitioner felt it most:
+allocates the same activation and gradient buffers again and again, and those that glibc gives
+back are page-faulted in anew: a 40 MiB buffer made and freed in a loop costs 5,120 minor faults
+a round by default (above the 32 MiB glibc's threshold rises to) and none with the thresholds
+raised (tests/torch/engine/test_heap.py). The automatic partitioner felt it most:
 the traced microbatch runs alone, so the buffers of the LM head and loss (4 MiB of logits each,
 in the benchmark's GPT) came back from the kernel on every traced run (about 6,000 faults per
 trace), and the head + loss measured 1.47-1.57 blocks against 1.25 with the thresholds raised
