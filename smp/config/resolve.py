@@ -49,7 +49,7 @@ class PartitionSection:
     stage_ranks: tuple[int, ...]
     """The rank of each chain part in order (`smp.pipeline.registry.default_chain`: the V for
     ``zb_v``, else the loop ``0 .. p-1`` repeated ``virtual_stages`` times)."""
-    microbatches: int = 1
+    microbatches: int
 
 
 class Config:

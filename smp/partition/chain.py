@@ -30,6 +30,8 @@ __all__ = [
     "part_costs",
     "partition_chain",
     "split_under",
+    "two_rank_vee",
+    "vee_ends",
 ]
 
 # fits(part, start, stop) -> whether items[start:stop] may form part `part` (e.g. memory limits).
@@ -285,7 +287,7 @@ def partition_chain(
     n = len(costs)
     s = _prefix(costs)
     w = _weights(weights, num_parts)
-    if ranks is not None and len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]:
+    if ranks is not None and two_rank_vee(ranks):
         bounds = _two_rank_vee(s, n, fits, microbatches)
         if bounds is None:
             raise PartitionMemoryError(f"no split of {n} blocks into a V over 2 ranks satisfies the segment limits")
@@ -306,11 +308,21 @@ def partition_chain(
     return bounds
 
 
+def two_rank_vee(ranks: Sequence[int]) -> bool:
+    """Whether parts on ``ranks`` are the V over 2 ranks, ``a b a`` (the bottom merged)."""
+    return len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]
+
+
+def vee_ends(first: float, last: float, microbatches: int) -> float:
+    """What the V over 2 ranks pays per microbatch for ends of unequal cost (`_two_rank_vee`)."""
+    return abs(first - last) / microbatches
+
+
 def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None, microbatches: int) -> list[int] | None:
     """Boundaries ``[0, i, j, n]`` of the V ``a b a``: the middle part ``[i, j)`` on one rank, both
-    ends on the other. Every (i, j) is tried (O(n^2)) for the least estimated step
+    ends on the other. Every (i, j) is tried (O(n^2)) for the least estimated step, per microbatch
 
-        microbatches * max(middle, ends) + |first - last|
+        max(middle, ends) + |first - last| / microbatches
 
     The first term is the steady state: each rank's work per microbatch, the larger one paced. The
     second is the fill and the drain: before the other rank starts, the first microbatch runs the
@@ -319,10 +331,10 @@ def _two_rank_vee(s: list[float], n: int, fits: SegmentCheck | None, microbatche
     costs over an even one is about their difference. Simulated with measured costs of the HF
     Llama of benchmarks/bench_pipeline.py (4.5 layers in the middle, 8 microbatches, zb_v's plan):
     ends of 3.5 layers and the head 689 ms, 2.5 and 1 + head 650, 1.5 and 2 + head 659; the
-    estimate orders them the same (676 / 643 / 664). A least-max rule with a 1 % tie band picked
-    among the three by the noise of the traced layer times."""
+    estimate orders them the same (x 8 microbatches: 676 / 643 / 664). A least-max rule with a
+    1 % tie band picked among the three by the noise of the traced layer times."""
     total = s[n]
-    found = [(microbatches * max(s[j] - s[i], total - s[j] + s[i]) + abs(s[i] - (total - s[j])), i, j)
+    found = [(max(s[j] - s[i], total - s[j] + s[i]) + vee_ends(s[i], total - s[j], microbatches), i, j)
              for i in range(1, n - 1) if fits is None or fits(0, 0, i)
              for j in range(i + 1, n) if fits is None or (fits(1, i, j) and fits(2, j, n))]
     if not found:

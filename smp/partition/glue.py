@@ -22,7 +22,15 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from smp.errors import PartitionMemoryError
-from smp.partition.chain import SegmentCheck, SegmentPenalty, part_costs, partition_chain, split_under
+from smp.partition.chain import (
+    SegmentCheck,
+    SegmentPenalty,
+    part_costs,
+    partition_chain,
+    split_under,
+    two_rank_vee,
+    vee_ends,
+)
 
 __all__ = ["GluedSplit", "Reduction", "resplit", "split_glued"]
 
@@ -130,14 +138,14 @@ def _reduce(blocks: Sequence[Sequence[int]], glued: Sequence[Sequence[int]], anc
 
 def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int], n_items: int,
             weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None,
-            microbatches: int = 8) -> GluedSplit:
+            microbatches: int = 1) -> GluedSplit:
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]
     loads = part_costs(seq_costs, bounds)
-    # The V over 2 ranks also pays for the difference of its ends once a step (`partition_chain`):
-    # per microbatch and unit of weight, as the bottleneck is counted.
+    # The V over 2 ranks also pays for the difference of its ends (`partition_chain`), counted
+    # per unit of weight as the bottleneck is.
     ends = 0.0
-    if weights is not None and ranks is not None and len(ranks) == 3 and ranks[0] == ranks[2] != ranks[1]:
-        ends = abs(loads[0] - loads[2]) / ((weights[0] + weights[2]) * microbatches)
+    if weights is not None and ranks is not None and two_rank_vee(ranks):
+        ends = vee_ends(loads[0], loads[2], microbatches) / (weights[0] + weights[2])
     if weights is not None:
         if ranks is not None:  # what each rank runs, per unit of its weight
             loads = [sum(x for x, r in zip(loads, ranks, strict=True) if r == rank)
@@ -153,8 +161,7 @@ def _finish(costs: Sequence[float], reduction: Reduction, bounds: Sequence[int],
 
 
 def _solve(costs: Sequence[float], reduction: Reduction, num_parts: int, make_fits: FitsFactory | None,
-           weights: Sequence[float] | None = None, ranks: Sequence[int] | None = None,
-           microbatches: int = 8) -> GluedSplit | None:
+           weights: Sequence[float] | None, ranks: Sequence[int] | None, microbatches: int) -> GluedSplit | None:
     if len(reduction.carried) < num_parts:
         return None
     seq_costs = [sum(costs[i] for i in carried) for carried in reduction.carried]

@@ -57,7 +57,7 @@ class _Solver:
     """Solves one item sequence: glued groups, anchors, memory checks, exact chain DP."""
 
     def __init__(self, cost: CostModel, budget: MemoryBudget, stage_ranks: Sequence[int], tree: ModuleTree,
-                 microbatches: int = 8) -> None:
+                 microbatches: int) -> None:
         self.tree = tree
         self.microbatches = microbatches
         self.cost = cost

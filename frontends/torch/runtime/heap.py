@@ -64,21 +64,16 @@ def _mallopt(param: int, value: int) -> bool:
         return False
 
 
-def _user_chose() -> bool:
-    return ("MALLOC_ARENA_MAX" in os.environ or "arena_max" in os.environ.get("GLIBC_TUNABLES", "")
-            or os.environ.get("SMP_MALLOC_ARENAS", "").lower() == "keep")
-
-
-def _user_chose_thresholds() -> bool:
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    return (any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"))
-            or any(k in tunables for k in ("mmap_threshold", "trim_threshold", "top_pad"))
-            or os.environ.get("SMP_MALLOC_THRESHOLDS", "").lower() == "keep")
+def _user_chose(variables: tuple[str, ...], tunables: tuple[str, ...], keep: str) -> bool:
+    """Whether the user set any of glibc's ``variables`` or ``glibc.malloc`` ``tunables``, or ``keep=keep``."""
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    return (any(v in os.environ for v in variables) or any(t in given for t in tunables)
+            or os.environ.get(keep, "").lower() == "keep")
 
 
 def share_heap() -> None:
     """Cap glibc's malloc arenas at one (see the module docstring); calling it again is harmless."""
-    if not _glibc() or _user_chose():
+    if not _glibc() or _user_chose(("MALLOC_ARENA_MAX",), ("arena_max",), "SMP_MALLOC_ARENAS"):
         return
     if not _mallopt(_M_ARENA_MAX, 1):
         log.debug("mallopt(M_ARENA_MAX, 1) failed: microbatch threads keep their own malloc arenas")
@@ -86,7 +81,8 @@ def share_heap() -> None:
 
 def keep_freed_memory() -> None:
     """Raise glibc's mmap and trim thresholds (see the module docstring); calling it again is harmless."""
-    if not _glibc() or _user_chose_thresholds():
+    if not _glibc() or _user_chose(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"),
+                                   ("mmap_threshold", "trim_threshold", "top_pad"), "SMP_MALLOC_THRESHOLDS"):
         return
     # The trim threshold first: setting either one turns off glibc's own raising of the mmap threshold.
     if not (_mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
