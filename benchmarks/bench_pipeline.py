@@ -29,8 +29,13 @@ torch 1F1B against smp 1f1b: the CPU of all threads, of the threads that run the
 gloo's TCP I/O thread, involuntary context switches, page faults, and the sends and bytes each
 rank posts per step.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|split|sequential|modulelist|hf-llama]
-        [--steps 8] [--warmup 2]
+``--model paired --on MODEL --row ROW --row ROW ... [--rounds 3]`` launches the rows one after the
+other, round after round, for A/B comparisons on a machine whose speed drifts between launches
+(rows: ``torch:1f1b``, ``auto:zb_v``, ``paths=blocks.2,blocks.3:zb_v`` (those modules on rank 1),
+with ``+heap`` / ``+keep`` / ``+once`` flags; see `paired`).
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|split|paired|sequential|modulelist|hf-llama]
+        [--steps 8] [--warmup 2] [--on MODEL --row ROW ... --rounds N]
 """
 
 from __future__ import annotations
@@ -326,24 +331,33 @@ def _on_rank1(assignment: dict[str, int]) -> str:
     return ", ".join(out) or "-"
 
 
-def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: bool = False) -> dict[str, Any]:
+def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: bool = False,
+         remeasure: bool = True) -> dict[str, Any]:
+    """smp on ``name``: ``cut`` is "auto", "manual" (the hand cut) or "paths:a,b,..." (those modules
+    on rank 1, the rest on rank 0); ``remeasure=False`` keeps the plan built from the recording step
+    (Note [costs measured again] in frontends/torch/step.py), for A/B launches."""
+    import importlib
+
     import smp.torch as smp
 
     build, logits, _, manual, _ = MODELS[name]
     torch.set_num_threads(1)
+    if not remeasure:
+        importlib.import_module("smp.torch.step")._MEASURE_AGAIN = 0  # planned steps count from 1: never
     cfg: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": schedule,
                            "active_microbatches": M if schedule == "simple" else 4,
                            "auto_partition": cut == "auto"}
     if schedule == "zb_v":
         cfg["virtual_stages"] = 2  # the V: two chunks per rank
-    if cut == "manual":
+    if cut != "auto":
         cfg["default_partition"] = 0
     smp.init(cfg)
     torch.manual_seed(0)
     net = build()
     model = smp.DistributedModel(net)
-    if cut == "manual":
-        for module in manual(net):
+    if cut != "auto":
+        paths = cut.partition(":")[2].split(",") if cut.startswith("paths:") else None
+        for module in manual(net) if paths is None else [net.get_submodule(p) for p in paths]:
             smp.set_partition(module, 1)
     model.register_post_partition_hook(lambda *_: None)
 
@@ -384,7 +398,7 @@ def bench(name: str, steps: int, warmup: int) -> None:
     # smp.init raises glibc's mmap and trim thresholds on CPU (frontends/torch/runtime/heap.py);
     # torch with the same settings, through glibc's environment variables, counts as torch too.
     launches.append(("torch.distributed.pipelining (smp's heap settings)", theirs, (name, "1f1b", steps, warmup),
-                     {**env, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}))
+                     {**env, **_HEAP_ENV}))
     # zb_v places the model in a V (its own cut: the first and last layers on rank 0), so only
     # automatic partitioning runs it; on the manual 2-stage cut it would be zb_h1 again.
     launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup), env)
@@ -411,6 +425,42 @@ def bench(name: str, steps: int, warmup: int) -> None:
     for label, sched, t, rank1, chain in rows:
         print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / floor:.3f} | {t / limit:.3f} "
               f"| {one / t:.2f}x | {rank1} | {chain} |", flush=True)
+
+
+_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+
+
+def paired(name: str, rows: list[str], rounds: int, steps: int, warmup: int) -> None:
+    """Launch ``rows`` one after the other, ``rounds`` times over, and print each launch's median step.
+
+    A row is ``SIDE:SCHEDULE`` plus flags: SIDE is ``torch`` (hand-written stages), ``manual``,
+    ``auto`` or ``paths=a,b,...`` (smp with those modules on rank 1); ``+heap`` gives torch smp's
+    glibc heap settings, ``+keep`` leaves smp glibc's (``SMP_MALLOC_THRESHOLDS=keep``), ``+once``
+    keeps smp's plan from the recording step. Alternating launches compare rows under the same
+    minute of a machine whose speed drifts by 5-10 % between launches.
+    """
+    base = {"OMP_NUM_THREADS": "1"}
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    where: dict[str, str] = {}
+    for _ in range(rounds):
+        for row in rows:
+            spec, *flags = row.split("+")
+            side, _, schedule = spec.rpartition(":")
+            env = {**base, **(_HEAP_ENV if "heap" in flags else {}),
+                   **({"SMP_MALLOC_THRESHOLDS": "keep"} if "keep" in flags else {})}
+            if side == "torch":
+                fn, args, kwargs = theirs, (name, schedule, steps, warmup), {}
+            else:
+                cut = "paths:" + side.partition("=")[2] if side.startswith("paths=") else side
+                fn, args, kwargs = ours, (name, schedule, cut, steps, warmup), {"remeasure": "once" not in flags}
+            out = run_ranks(fn, 2, args=args, kwargs=kwargs, env=env, timeout=900)
+            times[row].append(statistics.median(max(ts) for ts in zip(*(o["times"] for o in out))))
+            where[row] = out[0].get("rank1", MODELS[name][4])
+    print(f"\npaired launches, model {name}, {rounds} rounds (median step of each launch, in launch order)\n")
+    print("| row | ms/step per round | on rank 1 |")
+    print("|---|---|---|")
+    for row in rows:
+        print(f"| {row} | {' / '.join(f'{t * 1e3:.0f}' for t in times[row])} | {where[row]} |", flush=True)
 
 
 class _Ping(nn.Module):
@@ -524,10 +574,16 @@ def split_cost(name: str, steps: int, warmup: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["all", "latency", "threads", "split", *MODELS], default="all")
+    parser.add_argument("--model", choices=["all", "latency", "threads", "split", "paired", *MODELS], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--on", choices=list(MODELS), default="modulelist", help="the model of --model paired")
+    parser.add_argument("--row", action="append", default=[], help="a row of --model paired (see `paired`)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --model paired")
     args = parser.parse_args()
+    if args.model == "paired":
+        paired(args.on, args.row or ["torch:1f1b", "auto:zb_v"], args.rounds, args.steps, args.warmup)
+        return
     if args.model in ("all", "latency"):
         latency()
     if args.model == "threads":
