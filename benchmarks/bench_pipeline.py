@@ -9,9 +9,10 @@ write them; one step = 8 microbatches of 2 sequences, the same data on every sid
   4 heads, MLP width 1024), loss = cross-entropy of the logits against the next tokens.
 
 torch.distributed.pipelining (1F1B, GPipe) runs hand-written stage modules over the same layers
-(first half of the layers + embedding | second half + head); its 1F1B runs a second time with the
-glibc heap settings ``smp.init`` makes on CPU (mmap and trim thresholds, through glibc's
-environment variables), and "best torch" is the best of the three; smp runs the SMP v1 script shape
+(first half of the layers + embedding | second half + head); both run a second time with the CPU
+settings ``smp.init`` makes (glibc's mmap and trim thresholds, through glibc's environment
+variables, and each rank bound to its own core, through smp's function), and "best torch" is the
+best of the four; smp runs the SMP v1 script shape
 (``smp.DistributedModel(model)``, the loss computed in the step body on pp_rank 0,
 ``model.backward(loss)``) with the same cut through ``smp.set_partition`` and also with ``auto_partition``
 (SMP v1's default), which under ``zb_v`` places the model in a V (first and last layers on rank 0,
@@ -32,7 +33,7 @@ rank posts per step.
 ``--model paired --on MODEL --row ROW --row ROW ... [--rounds 3]`` launches the rows one after the
 other, round after round, for A/B comparisons on a machine whose speed drifts between launches
 (rows: ``torch:1f1b``, ``auto:zb_v``, ``paths=blocks.2,blocks.3:zb_v`` (those modules on rank 1),
-with ``+heap`` / ``+keep`` / ``+once`` flags; see `paired`).
+with ``+heap`` / ``+bind`` / ``+keep`` / ``+unbound`` / ``+once`` / ``+key=value`` flags; see `paired`).
 
     .venv/bin/python benchmarks/bench_pipeline.py [--model all|latency|threads|split|paired|sequential|modulelist|hf-llama]
         [--steps 8] [--warmup 2] [--on MODEL --row ROW ... --rounds N]
@@ -52,6 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from smp.torch.runtime import affinity  # noqa: E402
 from smp.torch.runtime.heap import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -282,12 +284,17 @@ def stage_times(name: str, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def theirs(name: str, schedule: str, steps: int, warmup: int, probe: bool = False) -> dict[str, Any]:
+def theirs(name: str, schedule: str, steps: int, warmup: int, probe: bool = False,
+           bind: bool = False) -> dict[str, Any]:
+    """torch.distributed.pipelining on the hand cut; ``bind`` binds the rank to its cores as ``smp.init``
+    does on CPU (frontends/torch/runtime/affinity.py)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     build, _, stage_of, _, _ = MODELS[name]
     torch.set_num_threads(1)
+    if bind and affinity.bind_local_rank() is None:
+        raise RuntimeError("smp's core binding did not apply to this torch launch (see affinity.py's conditions)")
     dist.init_process_group("gloo", init_method="file://" + os.environ["SMP_RENDEZVOUS_FILE"],
                             rank=int(os.environ["RANK"]), world_size=2)
     rank = dist.get_rank()
@@ -332,7 +339,7 @@ def _on_rank1(assignment: dict[str, int]) -> str:
 
 
 def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: bool = False,
-         remeasure: bool = True) -> dict[str, Any]:
+         remeasure: bool = True, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """smp on ``name``: ``cut`` is "auto", "manual" (the hand cut) or "paths:a,b,..." (those modules
     on rank 1, the rest on rank 0); ``remeasure=False`` keeps the plan built from the recording step
     (Note [costs measured again] in frontends/torch/step.py), for A/B launches."""
@@ -351,7 +358,7 @@ def ours(name: str, schedule: str, cut: str, steps: int, warmup: int, probe: boo
         cfg["virtual_stages"] = 2  # the V: two chunks per rank
     if cut != "auto":
         cfg["default_partition"] = 0
-    smp.init(cfg)
+    smp.init({**cfg, **(config or {})})
     torch.manual_seed(0)
     net = build()
     model = smp.DistributedModel(net)
@@ -393,19 +400,21 @@ def bench(name: str, steps: int, warmup: int) -> None:
     one = statistics.median(single(name, steps, warmup))
     t0, t1 = stage_times(name, steps, warmup)
     rows = []
-    launches: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...], dict[str, str]]] = [
-        ("torch.distributed.pipelining", theirs, (name, s, steps, warmup), env) for s in ("1f1b", "gpipe")]
-    # smp.init raises glibc's mmap and trim thresholds on CPU (frontends/torch/runtime/heap.py);
-    # torch with the same settings, through glibc's environment variables, counts as torch too.
-    launches.append(("torch.distributed.pipelining (smp's heap settings)", theirs, (name, "1f1b", steps, warmup),
-                     {**env, **_HEAP_ENV}))
+    Launch = tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...], dict[str, Any], dict[str, str]]
+    launches: list[Launch] = [
+        ("torch.distributed.pipelining", theirs, (name, s, steps, warmup), {}, env) for s in ("1f1b", "gpipe")]
+    # smp.init on CPU raises glibc's mmap and trim thresholds (frontends/torch/runtime/heap.py) and
+    # binds each local rank to its own cores (affinity.py); torch with the same settings (the heap's
+    # through glibc's environment variables, the binding through smp's function) counts as torch too.
+    launches += [("torch.distributed.pipelining (smp's CPU settings)", theirs, (name, s, steps, warmup),
+                  {"bind": True}, {**env, **_HEAP_ENV}) for s in ("1f1b", "gpipe")]
     # zb_v places the model in a V (its own cut: the first and last layers on rank 0), so only
     # automatic partitioning runs it; on the manual 2-stage cut it would be zb_h1 again.
-    launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup), env)
+    launches += [(f"smp ({cut})", ours, (name, s, cut, steps, warmup), {}, env)
                  for cut in SMP_CUTS[name] for s in ("1f1b", "zb_h1", "interleaved", "simple")
                  + (("zb_v",) if cut == "auto" else ())]
-    for label, fn, args, launch_env in launches:
-        out = run_ranks(fn, 2, args=args, env=launch_env, timeout=900)
+    for label, fn, args, kwargs, launch_env in launches:
+        out = run_ranks(fn, 2, args=args, kwargs=kwargs, env=launch_env, timeout=900)
         t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
         rank1 = out[0].get("rank1", MODELS[name][4])
         rows.append((label, args[1], t, rank1, _chain(out[0]["chain"]) if "chain" in out[0] else "-"))
@@ -435,9 +444,11 @@ def paired(name: str, rows: list[str], rounds: int, steps: int, warmup: int) -> 
 
     A row is ``SIDE:SCHEDULE`` plus flags: SIDE is ``torch`` (hand-written stages), ``manual``,
     ``auto`` or ``paths=a,b,...`` (smp with those modules on rank 1); ``+heap`` gives torch smp's
-    glibc heap settings, ``+keep`` leaves smp glibc's (``SMP_MALLOC_THRESHOLDS=keep``), ``+once``
-    keeps smp's plan from the recording step. Alternating launches compare rows under the same
-    minute of a machine whose speed drifts by 5-10 % between launches.
+    glibc heap settings and ``+bind`` smp's core binding; ``+keep`` leaves smp glibc's heap thresholds
+    (``SMP_MALLOC_THRESHOLDS=keep``), ``+unbound`` the CPU mask (``SMP_CPU_AFFINITY=keep``), ``+once``
+    keeps smp's plan from the recording step, and ``+key=value`` sets that smp config key
+    (``+memory_weight=0``). Alternating launches compare rows under the same minute of a machine
+    whose speed drifts by 5-10 % between launches.
     """
     base = {"OMP_NUM_THREADS": "1"}
     times: dict[str, list[float]] = {row: [] for row in rows}
@@ -447,12 +458,15 @@ def paired(name: str, rows: list[str], rounds: int, steps: int, warmup: int) -> 
             spec, *flags = row.split("+")
             side, _, schedule = spec.rpartition(":")
             env = {**base, **(_HEAP_ENV if "heap" in flags else {}),
-                   **({"SMP_MALLOC_THRESHOLDS": "keep"} if "keep" in flags else {})}
+                   **({"SMP_MALLOC_THRESHOLDS": "keep"} if "keep" in flags else {}),
+                   **({"SMP_CPU_AFFINITY": "keep"} if "unbound" in flags else {})}
             if side == "torch":
-                fn, args, kwargs = theirs, (name, schedule, steps, warmup), {}
+                fn, args, kwargs = theirs, (name, schedule, steps, warmup), {"bind": "bind" in flags}
             else:
                 cut = "paths:" + side.partition("=")[2] if side.startswith("paths=") else side
-                fn, args, kwargs = ours, (name, schedule, cut, steps, warmup), {"remeasure": "once" not in flags}
+                config = {k: _value(v) for k, _, v in (f.partition("=") for f in flags if "=" in f)}
+                fn, args, kwargs = ours, (name, schedule, cut, steps, warmup), {"remeasure": "once" not in flags,
+                                                                               "config": config}
             out = run_ranks(fn, 2, args=args, kwargs=kwargs, env=env, timeout=900)
             times[row].append(statistics.median(max(ts) for ts in zip(*(o["times"] for o in out))))
             where[row] = out[0].get("rank1", MODELS[name][4])
@@ -461,6 +475,16 @@ def paired(name: str, rows: list[str], rounds: int, steps: int, warmup: int) -> 
     print("|---|---|---|")
     for row in rows:
         print(f"| {row} | {' / '.join(f'{t * 1e3:.0f}' for t in times[row])} | {where[row]} |", flush=True)
+
+
+def _value(text: str) -> Any:
+    """A config value of a ``+key=value`` row flag: an int, a float, a bool or the string."""
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 class _Ping(nn.Module):

@@ -25,7 +25,7 @@ from smp.errors import NotInitializedError
 from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
-from . import failure
+from . import affinity, failure
 from .heap import keep_freed_memory, share_heap
 from .process_state import KEPT
 
@@ -45,6 +45,7 @@ class TorchRuntime:
     group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
     engine_group: Any = None  # a PP group of its own for pipeline messages
     env_added: dict[str, str] = field(default_factory=dict)  # what `init` added to os.environ; `reset` removes it
+    binding: affinity.Binding | None = None  # the CPUs `init` bound this rank to; `reset` gives them back
 
 
 def _setup_logging(rank: int) -> None:
@@ -107,7 +108,9 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     # torch's own limit sits above ours, so smp's clearer timeout error (naming op and peers) fires first.
     timeout = timedelta(seconds=float(cfg.comm_timeout) * 1.5 + 10)
     backend, device, _ = _backend()
+    binding = None
     if device.type == "cpu":
+        binding = affinity.bind_local_rank()  # before gloo's and the engine's threads: they inherit it
         share_heap()  # before gloo's and the engine's threads exist (heap.py)
         keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
     owns = launch.kind != "existing"
@@ -117,7 +120,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     elif owns:
         _init_default_group(backend, launch, timeout)
     store = _default_store()
-    rt = TorchRuntime(launch, backend, device, owns, store)
+    rt = TorchRuntime(launch, backend, device, owns, store, binding=binding)
     channel = failure.open_channel(store, launch.rank, float(cfg.comm_timeout),
                                    describe=lambda r: _describe(rank_map, r))
     channel.install_excepthook()
@@ -254,6 +257,7 @@ def reset() -> None:
         for name, value in rt.env_added.items():
             if os.environ.get(name) == value:
                 del os.environ[name]
+        affinity.restore(rt.binding)
     smp_state.reset()
 
 

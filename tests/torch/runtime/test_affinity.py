@@ -1,0 +1,115 @@
+"""Each local rank on CPU cores of its own (frontends/torch/runtime/affinity.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from smp.torch.runtime.affinity import plan
+from torch import nn
+
+from tests.helpers.spawn import run_ranks
+
+_CAN_BIND = hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")
+needs_two_cpus = pytest.mark.skipif(not _CAN_BIND or len(os.sched_getaffinity(0)) < 2,
+                                    reason="binding 2 ranks needs Linux and 2 CPUs for this process")
+
+
+def test_plan_gives_each_local_rank_an_equal_block() -> None:
+    cpus = set(range(8))
+    blocks = [plan(cpus, cpus, r, 4) for r in range(4)]
+    assert blocks == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # 7 CPUs over 3 ranks: 2 each, the last CPU left to nobody rather than one rank taking 3
+    assert [plan(set(range(7)), set(range(7)), r, 3) for r in range(3)] == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_plan_keeps_smt_siblings_together() -> None:
+    # Linux numbers the second hardware thread of core c as c + 4 on this 4-core, 8-thread host.
+    def topology(cpu: int) -> tuple[int, int, int]:
+        return 0, cpu % 4, cpu
+
+    cpus = set(range(8))
+    assert [plan(cpus, cpus, r, 2, topology) for r in range(2)] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
+def test_plan_leaves_alone_what_it_cannot_bind_safely() -> None:
+    cpus = set(range(4))
+    assert plan({0, 1}, cpus, 0, 2) is None  # a launcher, numactl or taskset bound it already
+    assert plan(set(range(2)), set(range(2)), 0, 3) is None  # more local ranks than CPUs
+    assert plan(cpus, cpus, 0, 1) is None  # one rank on the host: nothing to share
+    assert plan(cpus, cpus, 2, 2) is None  # a local rank outside the local size
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _masks() -> set[tuple[int, ...]]:
+    """The CPU masks of this process's threads."""
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except OSError:
+            continue
+    return out
+
+
+def _train(setup: str) -> dict[str, Any]:
+    import smp.torch as smp
+
+    if setup == "keep":
+        os.environ["SMP_CPU_AFFINITY"] = "keep"
+    elif setup == "taskset":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    elif setup == "no local size":
+        del os.environ["LOCAL_WORLD_SIZE"]
+    torch.set_num_threads(2)
+    before = _masks()
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_Net())
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    step(model, torch.randn(8, 16))
+    during, threads = _masks(), torch.get_num_threads()  # the engine's threads exist by now
+    smp.reset()
+    return {"before": before, "during": during, "threads": threads, "after": _masks(),
+            "threads_after": torch.get_num_threads()}
+
+
+@needs_two_cpus
+def test_two_ranks_run_on_disjoint_cores_and_reset_gives_the_mask_back() -> None:
+    out = run_ranks(_train, 2, args=("default",))
+    everything = set(os.sched_getaffinity(0))
+    for o in out:
+        assert o["before"] == {tuple(sorted(everything))}
+        assert len(o["during"]) == 1, f"threads of one rank on different masks: {o['during']}"
+    mine = [set(next(iter(o["during"]))) for o in out]
+    assert mine[0].isdisjoint(mine[1]) and mine[0] | mine[1] <= everything
+    assert len(mine[0]) == len(mine[1]) == len(everything) // 2
+    # torch's intra-op threads no more than the rank's cores (2 asked before init)
+    assert all(o["threads"] == min(2, len(everything) // 2) for o in out)
+    assert all(o["after"] == o["before"] and o["threads_after"] == 2 for o in out)
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("setup", ["keep", "taskset", "no local size"])
+def test_binding_is_left_out_where_the_user_or_launcher_decides(setup: str) -> None:
+    for o in run_ranks(_train, 2, args=(setup,)):
+        assert o["during"] == o["before"], f"{setup}: smp changed the CPU mask"
+        assert o["threads"] == 2
