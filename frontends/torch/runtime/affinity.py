@@ -21,9 +21,11 @@ in one process per rank, gains less from the same binding (Llama 756 / 785 / 776
 Local rank ``i`` then takes the ``i``-th of ``local_size`` equal blocks of the CPUs ordered by
 (package, core, CPU), so SMT siblings stay together and a block is whole cores where the counts
 allow; every thread the process already has moves there, and threads started later inherit it.
-torch's intra-op threads are lowered to the block's size if they were more (more threads than
-cores only take turns). ``SMP_CPU_AFFINITY=keep`` leaves the mask as it is. `restore` (called by
-``smp.reset()``) gives the threads their mask and torch its thread count back.
+torch's intra-op thread count is left as it is: it decides how a reduction splits (a LayerNorm's
+weight gradient summed by 2 threads differs in the last bits from 1 thread's sum), so changing it
+would change the numbers of training; where it exceeds the block, rank 0 says so once
+(torchrun already sets ``OMP_NUM_THREADS=1`` per rank). ``SMP_CPU_AFFINITY=keep`` leaves the mask
+as it is. `restore` (called by ``smp.reset()``) gives the threads their mask back.
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ _LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANK
 
 @dataclass(frozen=True)
 class Binding:
-    """What `bind_local_rank` changed: the CPUs it bound to, and what to give back."""
+    """What `bind_local_rank` changed: the CPUs it bound to, and the mask to give back."""
 
     cpus: tuple[int, ...]
     before: frozenset[int]
-    threads_before: int
 
 
 def plan(mask: set[int], online: set[int], local_rank: int, local_size: int,
@@ -124,18 +125,17 @@ def bind_local_rank(env: Mapping[str, str] | None = None) -> Binding | None:
     if cpus is None:
         return None
     _set_all_threads(set(cpus))
-    threads = torch.get_num_threads()
-    if threads > len(cpus):
-        torch.set_num_threads(len(cpus))
     log.debug("local rank %d of %d bound to CPUs %s (SMP_CPU_AFFINITY=keep leaves the mask as it is)",
               local_rank, local_size, list(cpus))
-    return Binding(cpus, frozenset(before), threads)
+    threads = torch.get_num_threads()
+    if threads > len(cpus) and local_rank == 0:
+        log.info("torch runs %d intra-op threads on this rank's %d CPU(s); torch.set_num_threads(%d) "
+                 "(or OMP_NUM_THREADS) avoids them taking turns, at the price of other last bits in "
+                 "reductions", threads, len(cpus), len(cpus))
+    return Binding(cpus, frozenset(before))
 
 
 def restore(binding: Binding | None) -> None:
-    """Undo `bind_local_rank`: the threads' mask and torch's intra-op threads as they were."""
-    if binding is None:
-        return
-    _set_all_threads(set(binding.before))
-    if torch.get_num_threads() != binding.threads_before:
-        torch.set_num_threads(binding.threads_before)
+    """Undo `bind_local_rank`: every thread's mask as it was."""
+    if binding is not None:
+        _set_all_threads(set(binding.before))
