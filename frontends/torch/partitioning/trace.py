@@ -51,6 +51,8 @@ class Trace:
     lives (a torch op on a reference runs on its owner), so it is counted in ``last``'s time.
     ``backward_time`` is each module's inclusive backward time (empty when the step body runs no
     backward) and ``after_backward`` the backward of the step body's own work (the loss's).
+    ``tails`` is, by (caller, child), the caller's own forward time between that child's return
+    and the caller's next call or return: see Note [own work after a child].
     """
 
     def __init__(self) -> None:
@@ -61,6 +63,7 @@ class Trace:
         self.last: str | None = None
         self.backward_time: dict[str, float] = {}
         self.after_backward = 0.0
+        self.tails: dict[tuple[str, str], float] = {}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -201,6 +204,7 @@ def _median(runs: list[Trace]) -> Trace:
     out.backward_time = {p: mid([r.backward_time.get(p, 0.0) for r in runs]) for p in out.backward_time}
     out.after = mid([r.after for r in runs])
     out.after_backward = mid([r.after_backward for r in runs])
+    out.tails = {k: mid([r.tails.get(k, 0.0) for r in runs]) for k in out.tails}
     return out
 
 
@@ -213,16 +217,34 @@ def _measure(root: nn.Module, run: Callable[[], Any], *, measure_time: bool,
     handles = []
     last = ""  # the module that finished last
     root_done, before_root = 0.0, ""  # when the root last returned, and what finished just before it
+    calls: list[list[Any]] = []  # open calls, innermost last: [path, child that returned last, when]
+
+    def tail(frame: list[Any], now: float) -> None:
+        if frame[1] is not None:  # Note [own work after a child]
+            key = (frame[0], frame[1])
+            tr.tails[key] = tr.tails.get(key, 0.0) + (now - frame[2])
+            frame[1] = None
+
     for path, module in root.named_modules():
         def pre(_m: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
             tr.order.setdefault(path, len(tr.order))
             if clock is not None:
                 clock.pre(path, args, kwargs)
-            starts.setdefault(path, []).append(time.perf_counter())
+            now = time.perf_counter()
+            if calls:
+                tail(calls[-1], now)
+            calls.append([path, None, 0.0])
+            starts.setdefault(path, []).append(now)
 
         def post(m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
             nonlocal last, root_done, before_root
             now = time.perf_counter()
+            while calls and calls[-1][0] != path:  # a call whose forward raised and was caught
+                calls.pop()
+            if calls:
+                tail(calls.pop(), now)
+            if calls:
+                calls[-1][1:] = [path, now]
             tr.time[path] = tr.time.get(path, 0.0) + (now - starts[path].pop())
             tr.output_bytes[path] = tr.output_bytes.get(path, 0) + _tensor_bytes(out)
             if clock is not None:
@@ -293,15 +315,17 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
         kids.sort(key=lambda k: first.get(k, float("inf")))
         children[path] = tuple(kids)
     compute = exclusive_compute(tr.time, children) if tr and tr.time else {}
-    if compute and tr is not None and tr.backward_time:
-        for path, own in exclusive_compute(tr.backward_time, children).items():
+    if compute and tr is not None:
+        backward = exclusive_compute(tr.backward_time, children) if tr.backward_time else {}
+        _follow_data(compute, backward, tr.tails, modules)
+        for path, own in backward.items():
             compute[path] = compute.get(path, 0.0) + own
     if compute and tr is not None and tr.last in compute:
         compute[tr.last] += tr.after + tr.after_backward  # the step body's loss runs where the model's output is
     for path, module in modules.items():
         # A container's own time is the Python loop around its children (and our hooks): overhead
         # that runs wherever its children run, not work to place.
-        if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and path in compute:
+        if isinstance(module, _CONTAINERS) and path in compute:
             compute[path] = 0.0
     nodes = []
     for path, module in modules.items():
@@ -316,6 +340,36 @@ def lower(root: nn.Module, tr: Trace | None = None) -> ModuleTree:
             atomic=_atomic(path, module, *_ancestors(modules, path)),
             no_return_cut=_layer(path, module, *_ancestors(modules, path))))
     return ModuleTree(nodes)
+
+
+# Note [own work after a child]: a module's own torch ops run where their inputs live (an op on a
+# reference runs on its owner), and the ops a forward runs after calling a child mostly take that
+# child's output: a GPT block's attention (qkv -> reshape, scaled_dot_product_attention -> proj)
+# runs where qkv ran. Counted as the block's own work, it sat where the block's Python runs: a V
+# that opened the block with qkv on rank 1 and the block on rank 0 put a quarter of a block on
+# rank 0 in the estimate and on rank 1 in the step. So the trace times, per call, the caller's
+# own work between a child's return and the caller's next child call or return (`Trace.tails`),
+# and lowering moves it, with the same share of the caller's own backward, to that child; the own
+# work before the first child (on the caller's inputs) stays with the caller. Containers' own time
+# is the loop around their children and is dropped anyway (see `lower`).
+def _follow_data(forward: dict[str, float], backward: dict[str, float], tails: dict[tuple[str, str], float],
+                 modules: dict[str, nn.Module]) -> None:
+    """Move each caller's own work after a child to that child (Note [own work after a child])."""
+    own_forward, own_backward = dict(forward), dict(backward)
+    for (caller, child), spent in tails.items():
+        total = own_forward.get(caller, 0.0)
+        if total <= 0.0 or child not in forward or isinstance(modules.get(caller), _CONTAINERS):
+            continue
+        moved = min(spent, forward[caller])  # timer noise: never more than the caller has left
+        forward[caller] -= moved
+        forward[child] += moved
+        back = min(own_backward.get(caller, 0.0) * moved / total, backward.get(caller, 0.0))
+        if back > 0.0:
+            backward[caller] -= back
+            backward[child] = backward.get(child, 0.0) + back
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def _layer(path: str, module: nn.Module, parent: nn.Module | None, _grandparent: nn.Module | None = None) -> bool:

@@ -60,6 +60,40 @@ def test_loss_in_the_step_body_is_counted_on_the_module_that_made_the_output() -
     assert [p for p, r in part.assignment.items() if r == 1 and p] == ["head"]
 
 
+class _Attention(nn.Module):
+    """A block whose own code between its children is heavy: ``qkv``, 30 ms on its output, ``proj``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.qkv, self.proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _busy(0.01)  # before any child: on the block's own inputs, where the block runs
+        a = self.qkv(self.first(x))
+        _busy(0.03)  # the attention on qkv's output: runs where qkv's output is
+        return x + self.proj(a)
+
+
+def test_own_work_after_a_child_counts_with_that_child() -> None:
+    # Note [own work after a child] (trace.py): an op on a child's output runs where the output is.
+    net = _Attention()
+    x = torch.randn(2, 8)
+    tr = trace(net, lambda: net(x))
+    assert 0.03 <= tr.tails[("", "qkv")] < 0.06, tr.tails
+    assert tr.tails.get(("", "first"), 0.0) < 0.01  # qkv was called right after it
+    compute = {n.path: n.compute for n in lower(net, tr)}
+    assert compute["qkv"] >= 0.03 > compute["proj"]
+    assert 0.01 <= compute[""] < 0.03, compute  # the work before the first child stays
+    # With the backward traced, the caller's own backward moves with the same share.
+    tr = trace(net, lambda: pending.append(net(x).sum()), backward=lambda: [([pending.pop()], None)]
+               if pending else [])
+    compute = {n.path: n.compute for n in lower(net, tr)}
+    assert compute["qkv"] >= 0.03 > compute["proj"]
+
+
+pending: list[torch.Tensor] = []
+
+
 def test_no_work_after_the_model_adds_nothing() -> None:
     net = _Net()
     tr = trace(net, lambda: net(torch.randn(2, 8)))
