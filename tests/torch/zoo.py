@@ -29,6 +29,35 @@ class MLP(nn.Module):
             set_partition(layer, (i * stages // len(layers)) % pp)
 
 
+class ReluLoop(nn.Module):
+    """Four ``width`` x ``width`` linears with ReLU in a ModuleList loop (the runtime tests' model)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def train_relu_loop(smp: Any, width: int, steps: int, **config: Any) -> None:
+    """``smp.init`` (pp=2, 4 microbatches, plus ``config``), then ``steps`` steps of a `ReluLoop`."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, **config})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(ReluLoop(width))
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    for _ in range(steps):
+        step(model, torch.randn(8, width))
+
+
 class CNN(nn.Module):
     """A small CNN whose forward does work between child calls (relu, pooling, flatten)."""
 

@@ -7,13 +7,12 @@ import ctypes
 import os
 import platform
 import tempfile
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from tests.helpers.spawn import run_ranks
+from tests.torch.zoo import train_relu_loop
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc malloc arenas")
@@ -30,16 +29,6 @@ def _arenas() -> int:
         return f.read().count("<heap nr=")
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
 
 def _train(keep: bool) -> tuple[int, int, int]:
     import threading
@@ -49,18 +38,7 @@ def _train(keep: bool) -> tuple[int, int, int]:
     if keep:
         os.environ["SMP_MALLOC_ARENAS"] = "keep"
     before = _arenas()
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved"})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(_Net())
-
-    @smp.step
-    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
-
-    for _ in range(3):
-        step(model, torch.randn(8, 64))
+    train_relu_loop(smp, 64, 3, pipeline="interleaved")
     return before, _arenas(), threading.active_count()
 
 

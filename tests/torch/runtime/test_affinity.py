@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 from smp.torch.runtime.affinity import plan
-from torch import nn
 
 from tests.helpers.spawn import run_ranks
+from tests.torch.zoo import train_relu_loop
 
 _CAN_BIND = hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")
 needs_two_cpus = pytest.mark.skipif(not _CAN_BIND or len(os.sched_getaffinity(0)) < 2,
@@ -42,16 +42,6 @@ def test_plan_leaves_alone_what_it_cannot_bind_safely() -> None:
     assert plan(cpus, cpus, 2, 2) is None  # a local rank outside the local size
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
 
 def _masks() -> set[tuple[int, ...]]:
     """The CPU masks of this process's threads."""
@@ -75,17 +65,7 @@ def _train(setup: str) -> dict[str, Any]:
         del os.environ["LOCAL_WORLD_SIZE"]
     torch.set_num_threads(2)
     before = _masks()
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(_Net())
-
-    @smp.step
-    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
-
-    step(model, torch.randn(8, 16))
+    train_relu_loop(smp, 16, 1)
     during, threads = _masks(), torch.get_num_threads()  # the engine's threads exist by now
     smp.reset()
     return {"before": before, "during": during, "threads": threads, "after": _masks(),
