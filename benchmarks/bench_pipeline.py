@@ -437,7 +437,7 @@ def bench(name: str, steps: int, warmup: int) -> None:
           "| speedup vs 1 process | on rank 1 | chain |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, sched, t, rank1, chain in rows:
-        print(f"| {label} | {sched} | {t * 1e3:.0f} | {t / best_theirs:.3f} | {t / floor:.3f} | {t / limit:.3f} "
+        print(f"| {label} | {sched} | {t * 1e3:.1f} | {t / best_theirs:.4f} | {t / floor:.3f} | {t / limit:.3f} "
               f"| {one / t:.2f}x | {rank1} | {chain} |", flush=True)
 
 
