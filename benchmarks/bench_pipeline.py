@@ -59,6 +59,7 @@ from smp.torch.runtime.heap import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402
 from torch import nn  # noqa: E402
 
 from examples.gpt_model import GPT, gpt, lm_loss  # noqa: E402
+from smp.runtime.launch import detect  # noqa: E402
 from tests.helpers.spawn import run_ranks  # noqa: E402
 
 M, MB, SEQ, VOCAB, LAYERS, WIDTH = 8, 2, 128, 4096, 8, 256
@@ -294,7 +295,7 @@ def theirs(name: str, schedule: str, steps: int, warmup: int, probe: bool = Fals
 
     build, _, stage_of, _, _ = MODELS[name]
     torch.set_num_threads(1)
-    if bind and affinity.bind_local_rank() is None:
+    if bind and affinity.bind_local_rank(detect()) is None:
         raise RuntimeError("smp's core binding did not apply to this torch launch (see affinity.py's conditions)")
     dist.init_process_group("gloo", init_method="file://" + os.environ["SMP_RENDEZVOUS_FILE"],
                             rank=int(os.environ["RANK"]), world_size=2)

@@ -28,6 +28,9 @@ class Launch:
         kind: "existing" (torch.distributed already initialised), "torchrun" (RANK/WORLD_SIZE env),
             "mpi" (OMPI_COMM_WORLD_* or PMI_*), or "single".
         init_method: "env://" or "file://..." (None for "existing" and "single").
+        local_named: whether the launcher named both this process's local rank and the local size
+            (otherwise they are guesses: rank 0 of a host as big as the world), so that ranks of
+            one host can share its cores out (frontends/torch/runtime/affinity.py).
     """
 
     kind: str
@@ -36,6 +39,10 @@ class Launch:
     local_rank: int
     local_size: int
     init_method: str | None
+    local_named: bool = False
+
+
+_GUESSED = "SMP_LOCAL_GUESSED"  # set where LOCAL_RANK / LOCAL_WORLD_SIZE hold detect's guesses
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
@@ -94,13 +101,17 @@ def detect(env: MutableMapping[str, str] | None = None, *, dist_initialized: boo
         dist_initialized, dist_rank, dist_world: the state of an existing default process group.
     """
     env = os.environ if env is None else env
-    local_rank = _int(env, "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID") or 0
+    given_rank = _int(env, "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
     local_size = _int(env, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    # The MPI branch below writes its guesses into LOCAL_RANK / LOCAL_WORLD_SIZE (as SMP v1 did)
+    # and marks them, so a later detect (an init after reset) does not take them for the launcher's.
+    named = given_rank is not None and local_size is not None and env.get(_GUESSED) != "1"
+    local_rank = given_rank or 0
     if dist_initialized:
-        return Launch("existing", dist_rank, dist_world, local_rank, local_size or dist_world, None)
+        return Launch("existing", dist_rank, dist_world, local_rank, local_size or dist_world, None, named)
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if rank is not None and world is not None:
-        return Launch("torchrun", rank, world, local_rank, local_size or world, _rendezvous(env))
+        return Launch("torchrun", rank, world, local_rank, local_size or world, _rendezvous(env), named)
     rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
     if rank is not None and world is not None:
@@ -108,5 +119,7 @@ def detect(env: MutableMapping[str, str] | None = None, *, dist_initialized: boo
         init_method = _mpi_rendezvous(env, rank, world, local_size)
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local_rank)
         env["LOCAL_WORLD_SIZE"] = str(local_size)
-        return Launch("mpi", rank, world, local_rank, local_size, init_method)
+        if not named:
+            env[_GUESSED] = "1"
+        return Launch("mpi", rank, world, local_rank, local_size, init_method, named)
     return Launch("single", 0, 1, 0, 1, None)

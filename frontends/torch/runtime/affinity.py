@@ -12,8 +12,8 @@ in one process per rank, gains less from the same binding (Llama 756 / 785 / 776
 ``--bind_cores_to_rank``; `init` does it by default on CPU when it is safe:
 
 - the launcher said how many ranks share this host and which one this is (``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE``, or Open MPI's / MPICH's equivalents): without both, ranks of one host
-  could pick the same cores;
+  ``LOCAL_WORLD_SIZE``, or Open MPI's / MPICH's equivalents: `smp.runtime.launch.Launch.local_named`);
+  without both, ranks of one host could pick the same cores;
 - nothing restricted this process yet: its CPU mask is every online CPU (a launcher that binds
   ranks itself, ``numactl``, ``taskset`` or a container's cpuset is left as it is);
 - there are at least as many CPUs as local ranks.
@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from smp.runtime.launch import Launch
+
 __all__ = ["Binding", "bind_local_rank", "plan", "restore"]
 
 log = logging.getLogger(__name__)
-
-_LOCAL_RANK = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
-_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-
 
 @dataclass(frozen=True)
 class Binding:
@@ -95,13 +93,6 @@ def _topology(cpu: int) -> tuple[int, ...]:
         return 0, cpu, cpu
 
 
-def _local(env: Mapping[str, str], names: Sequence[str]) -> int | None:
-    for name in names:
-        if env.get(name, "").strip().isdigit():
-            return int(env[name])
-    return None
-
-
 def _set_all_threads(cpus: set[int]) -> None:
     """Every thread of this process on ``cpus`` (a thread that exits meanwhile is skipped)."""
     for tid in os.listdir("/proc/self/task"):
@@ -111,15 +102,13 @@ def _set_all_threads(cpus: set[int]) -> None:
             continue
 
 
-def bind_local_rank(env: Mapping[str, str] | None = None) -> Binding | None:
+def bind_local_rank(launch: Launch, env: Mapping[str, str] | None = None) -> Binding | None:
     """Bind this process to its local rank's CPUs where safe (module docstring); None if it did not."""
     env = os.environ if env is None else env
-    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") \
+    if not launch.local_named or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") \
             or env.get("SMP_CPU_AFFINITY", "").lower() == "keep":
         return None
-    local_rank, local_size = _local(env, _LOCAL_RANK), _local(env, _LOCAL_SIZE)
-    if local_rank is None or local_size is None:
-        return None
+    local_rank, local_size = launch.local_rank, launch.local_size
     before = set(os.sched_getaffinity(0))
     cpus = plan(before, _online(), local_rank, local_size, _topology)
     if cpus is None:

@@ -110,7 +110,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     backend, device, _ = _backend()
     binding = None
     if device.type == "cpu":
-        binding = affinity.bind_local_rank()  # before gloo's and the engine's threads: they inherit it
+        binding = affinity.bind_local_rank(launch)  # before gloo's and the engine's threads: they inherit it
         share_heap()  # before gloo's and the engine's threads exist (heap.py)
         keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
     owns = launch.kind != "existing"
