@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import fields, is_dataclass
 from typing import Any, cast
 
-__all__ = ["is_namedtuple", "map_structure", "rebuild_mapping", "rebuild_sequence"]
+__all__ = ["is_namedtuple", "leaves", "map_structure", "rebuild_mapping", "rebuild_sequence"]
 
 
 def is_namedtuple(x: object) -> bool:
@@ -81,3 +81,34 @@ def map_structure(obj: Any, leaf: Callable[[Any], Any], *, is_leaf: Callable[[An
     if is_dataclass(obj) and not isinstance(obj, type):
         return type(obj)(**{f.name: map_structure(getattr(obj, f.name), leaf, is_leaf=is_leaf) for f in fields(obj)})
     return leaf(obj)
+
+
+def leaves(obj: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """Every leaf of ``obj`` in `map_structure`'s order, without rebuilding any container.
+
+    Collecting leaves through `map_structure` would rebuild each container from the collector's
+    results: a ``torch.Size`` or structseq cannot be rebuilt from ``None``s.
+
+    Example:
+        >>> leaves({"x": [1, (2, 3)], "y": {"z": 4}})
+        [1, 2, 3, 4]
+    """
+    out: list[Any] = []
+    _collect(obj, out, is_leaf)
+    return out
+
+
+def _collect(obj: Any, out: list[Any], is_leaf: Callable[[Any], bool] | None) -> None:
+    if is_leaf is not None and is_leaf(obj):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect(x, out, is_leaf)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            _collect(v, out, is_leaf)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            _collect(getattr(obj, f.name), out, is_leaf)
+    else:
+        out.append(obj)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from smp.structure import is_namedtuple, map_structure, rebuild_mapping, rebuild_sequence
+from smp.structure import is_namedtuple, leaves, map_structure, rebuild_mapping, rebuild_sequence
 
 Pair = namedtuple("Pair", "a b")
 
@@ -115,6 +115,25 @@ def test_dataclasses_are_walked_by_field_and_sets_strings_and_classes_are_leaves
 def test_is_leaf_stops_the_walk_at_the_values_it_names() -> None:
     out = map_structure([Point(1, 2), (3,)], lambda v: ("leaf", v), is_leaf=lambda v: isinstance(v, Point))
     assert out == [("leaf", Point(1, 2)), (("leaf", 3),)]
+
+
+class StrictShape(tuple[int, ...]):
+    """Like torch.Size: a tuple subclass that refuses anything but ints."""
+
+    def __new__(cls, items: Any) -> StrictShape:
+        items = tuple(items)
+        if not all(isinstance(i, int) for i in items):
+            raise TypeError("ints only")
+        return super().__new__(cls, items)
+
+
+def test_leaves_lists_every_leaf_in_walk_order_without_rebuilding_containers() -> None:
+    obj = {"a": [1, Pair(2, StrictShape((3, 4)))], "b": Point(5, {"c": (6,)}), "d": "s", "e": {7}}
+    assert leaves(obj) == [1, 2, 3, 4, 5, 6, "s", {7}]
+    assert leaves([Point(1, 2), (3,)], is_leaf=lambda v: isinstance(v, Point)) == [Point(1, 2), 3]
+    seen: list[Any] = []
+    map_structure(obj, lambda v: seen.append(v) or v)
+    assert seen == leaves(obj), "the same order as map_structure"
 
 
 @pytest.mark.parametrize(("template", "items", "expected"), [

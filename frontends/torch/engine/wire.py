@@ -90,9 +90,7 @@ def map_structure(obj: Any, leaf: Callable[[Any], Any]) -> Any:
 
 def walk(obj: Any) -> list[Any]:
     """Every leaf of ``obj`` (tensors included), in order."""
-    out: list[Any] = []
-    map_structure(obj, lambda x: out.append(x))
-    return out
+    return structure.leaves(obj, is_leaf=_is_leaf)
 
 
 def _is_leaf(x: object) -> bool:

@@ -85,11 +85,9 @@ class BatchScaled(nn.Module):
 
 
 def _leaves(obj: Any) -> list[torch.Tensor]:
-    from smp.structure import map_structure
+    from smp.structure import leaves
 
-    found: list[torch.Tensor] = []
-    map_structure(obj, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)
-    return found
+    return [x for x in leaves(obj) if isinstance(x, torch.Tensor)]
 
 
 def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group: Any = None,

@@ -25,22 +25,13 @@ import torch
 from torch import nn
 
 from smp.partition import ModuleNode, ModuleTree, TreePartition, exclusive_compute, partition_tree
-from smp.structure import map_structure
+from smp.structure import leaves
 
 logger = logging.getLogger("smp")
 
 
 def _tensor_bytes(obj: Any) -> int:
-    total = 0
-
-    def leaf(x: Any) -> Any:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        return x
-
-    map_structure(obj, leaf)
-    return total
+    return sum(x.numel() * x.element_size() for x in _tensors(obj))
 
 
 class Trace:
@@ -67,9 +58,7 @@ class Trace:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_structure(obj, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
-    return found
+    return [x for x in leaves(obj) if isinstance(x, torch.Tensor)]
 
 
 class _BackwardClock:

@@ -1,4 +1,5 @@
-"""Unmodified Hugging Face models (built from config, no download) train pipelined like in one process."""
+"""Unmodified Hugging Face models (built from config, no download) train pipelined like in one process:
+every family smp claims, called the Hugging Face way (``labels=`` in, the model's own loss out)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,42 @@ transformers = pytest.importorskip("transformers")
 def _config(kind: str) -> Any:
     common = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
               "num_attention_heads": 4, "max_position_embeddings": 32, "use_cache": False}
+    gpt = {"vocab_size": 64, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "use_cache": False,
+           "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+    bert = {**common, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     if kind == "llama":
         return transformers.LlamaConfig(num_key_value_heads=2, **common)
     if kind == "gpt_neox":
         return transformers.GPTNeoXConfig(**common)
     if kind == "mistral":
         return transformers.MistralConfig(num_key_value_heads=2, **common)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(num_key_value_heads=2, **common)
+    if kind == "gpt2":
+        return transformers.GPT2Config(**gpt)
+    if kind == "gptj":
+        return transformers.GPTJConfig(rotary_dim=4, **gpt)
+    if kind == "bert":
+        return transformers.BertConfig(**bert)
+    if kind == "roberta":  # positions start after the padding index
+        return transformers.RobertaConfig(**{**bert, "max_position_embeddings": 40})
     return transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)
+
+
+MASKED = ("bert", "roberta")
 
 
 def _model(kind: str) -> Any:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager")
+    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    return auto.from_config(_config(kind), attn_implementation="eager")
+
+
+def _layers(model: Any) -> Any:
+    """The model's decoder / encoder layers: its longest ModuleList (``model.layers``, ``transformer.h``,
+    ``encoder.layer``, ...), whatever the family names it."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return max(lists, key=len)
 
 
 def _data() -> list[torch.Tensor]:
@@ -60,13 +85,13 @@ def _pipelined(kind: str, auto: bool, split: bool = False) -> tuple[list[float],
     hf = _model(kind)
     model = smp.DistributedModel(hf)
     if not auto:
-        body = hf.base_model
-        layers = body.layers
+        layers = _layers(hf)
         for layer in layers[len(layers) // 2:]:
             smp.set_partition(layer, 1)
         if split:
             middle = layers[len(layers) // 2 - 1]
-            for name in ("post_attention_layernorm", "mlp", "block_sparse_moe"):
+            # after the attention: Llama-like, GPT-2 (ln_2, mlp), GPT-J (mlp), BERT (intermediate, output)
+            for name in ("post_attention_layernorm", "mlp", "block_sparse_moe", "ln_2", "intermediate", "output"):
                 if hasattr(middle, name):
                     smp.set_partition(getattr(middle, name), 1)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
@@ -85,7 +110,8 @@ def _pipelined(kind: str, auto: bool, split: bool = False) -> tuple[list[float],
     return losses, model.state_dict(), list(next(iter(model.plans.values())).chain)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "mistral", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "mistral", "mixtral", "qwen2", "gpt2", "gptj", "bert",
+                                  "roberta"])
 def test_hf_model_pipelined_matches_one_process(kind: str) -> None:
     ref_losses, ref_state = _reference(kind)
     chains = {}

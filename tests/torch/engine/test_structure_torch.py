@@ -6,7 +6,7 @@ from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
-from smp.torch.engine.wire import Slot, pack, unpack
+from smp.torch.engine.wire import Slot, pack, unpack, walk
 
 from smp.structure import map_structure
 
@@ -22,6 +22,12 @@ def test_pack_replaces_tensors_by_slots_and_unpack_puts_them_back() -> None:
     assert skeleton["s"] == torch.Size([2, 3]) and type(skeleton["s"]) is torch.Size
     back = unpack(skeleton, tensors)
     assert back["p"].a is x and back["p"].b[0] is y and back["o"]["k"][0] is x
+
+
+def test_walk_lists_the_leaves_of_a_call_with_size_arguments() -> None:
+    """A module called with a ``torch.Size`` (HF GPT-2's ``view(output_shape)``) is walked, not rebuilt."""
+    x = torch.ones(2)
+    assert walk(((x, torch.Size([2, 3])), {"shape": torch.Size([4])})) == [x, 2, 3, 4]
 
 
 def test_a_hugging_face_model_output_survives_the_wire_and_the_detach_walk() -> None:
