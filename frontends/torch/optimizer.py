@@ -42,6 +42,7 @@ from .errors import DistributedOptimizerError
 from .master_weights import MasterWeights, global_grad_norm
 from .model.precision import half_dtype
 from .optimizer_shard import SHARD_KEY, OptimizerShard, merge_shards
+from .optimizer_tp import check_tp_degree, gather_tp_state, local_value
 
 __all__ = ["DistributedOptimizer", "scaled_for_backward"]
 
@@ -336,7 +337,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         return sd
 
     def state_dict(self: Any) -> dict[str, Any]:
-        """Full optimizer state, gathered over the pipeline (call on every rank with dp_rank() == 0)."""
+        """Full optimizer state by parameter name, gathered over the pipeline and, under tensor parallelism,
+        with TP-sharded states as full tensors (`optimizer_tp`): it loads in any layout. A collective
+        over the model-parallel group: call it on every rank with ``rdp_rank() == 0``."""
         ensure_built()
         if shards[0] is not None:
             raise SMPCheckpointError(
@@ -345,30 +348,44 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
                 "smp.save_checkpoint(path, tag), or on every rank smp.save(optimizer.local_state_dict("
                 "gather_if_shard=False), f, partial=True, v3=True); optimizer.local_state_dict() called on every "
                 "rank gathers this stage's complete state")
-        if st.rank_map is not None and st.rank_map.tp_size > 1:
-            raise SMPCheckpointError(
-                "optimizer.state_dict(): under tensor parallelism each TP rank holds the optimizer state of its own "
-                "parameter shards, which one full state dict cannot hold under the parameters' names (as in SMP v1, "
-                "a full optimizer state dict is unsupported with TP). Fix: save partial -- smp.save_checkpoint(path, "
-                "tag), or smp.save(optimizer.local_state_dict(), f, partial=True) on every rank with rdp_rank() == 0")
+        tp = tp_group()
         if not model.partitioned or st.cfg is None or st.cfg.pipeline_parallel_degree == 1:
             sd = _by_name(self, model, masters, only_local=False)
             if dtype is not None:
                 sd.update(fp16_state(self))
-            return sd
-        from .runtime.comm import MP_GROUP, allgather
+            return gather_tp_state(sd, model_params(), tp) if tp is not None else sd
+        from .runtime.comm import PP_GROUP, allgather
 
-        parts = allgather(local_state_dict(self), MP_GROUP)
-        full = merge_shards(parts)  # the stages hold disjoint parameters, as shards do
+        local = local_state_dict(self)
+        if tp is not None:  # TP shards -> full tensors, the same dict on every TP rank of the stage
+            local = gather_tp_state(local, model_params(), tp)
+        full = merge_shards(allgather(local, PP_GROUP))  # the stages hold disjoint parameters, as shards do
         full.pop("_smp_is_partial", None)
         return full
 
+    def tp_group() -> Any:
+        """The TP process group when tensor parallelism splits parameters, else None."""
+        if st.rank_map is None or st.rank_map.tp_size == 1:
+            return None
+        from smp.topology import GroupKind
+
+        from .runtime.init import runtime
+
+        return runtime().groups[GroupKind.TP]
+
+    def model_params() -> dict[str, torch.Tensor]:
+        return dict(model.module.named_parameters(remove_duplicate=False))
+
     def apply(self: Any, sd: dict[str, Any]) -> None:
-        """Load a by-name state dict into this rank's stepped tensors (after partitioning)."""
+        """Load a by-name state dict into this rank's stepped tensors (after partitioning); the full
+        tensors of a TP-sharded parameter's state (``state_dict()`` under TP, or saved without TP)
+        give this rank's shard."""
         ensure_built()
         stepped = {id(p): m for p, m in masters.pairs}
-        by_name = {n: stepped.get(id(p), p) for n, p in model.module.named_parameters(remove_duplicate=False)}
+        params = model_params()
+        by_name = {n: stepped.get(id(p), p) for n, p in params.items()}
         local = {id(m) for m in stepped.values()}
+        tp = tp_group()
         if "param_groups" in sd:
             for group, saved in zip(self.param_groups, sd["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
@@ -376,6 +393,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
             p = by_name.get(name)
             if p is None or id(p) not in local:
                 continue
+            values = {k: local_value(v, params[name], name, k, sd, tp) for k, v in values.items()}
             self.state[p] = {k: (v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype)
                                  if isinstance(v, torch.Tensor) and v.dim() > 0 else
                                  v.clone() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
@@ -384,7 +402,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
     def apply_fp16(self: Any, sd: dict[str, Any]) -> None:
         ensure_built()
         if sd.get("fp32_from_fp16") and dtype is not None:
-            masters.load_masters(sd["fp32_from_fp16"], _names(model, masters))
+            params, tp = model_params(), tp_group()
+            saved_masters = {n: local_value(v, params[n], n, "fp32 master", sd, tp) if n in params else v
+                             for n, v in sd["fp32_from_fp16"].items()}
+            masters.load_masters(saved_masters, _names(model, masters))
         saved = sd.get("loss_scaler")
         if isinstance(saved, dict) and dtype is torch.float16:
             if saved.get("type", type(scaler).__name__) != type(scaler).__name__:
@@ -421,6 +442,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         if not state_dict.get("_smp_by_name"):
             orig_load(state_dict)
             return
+        check_tp_degree(state_dict, st.rank_map.tp_size if st.rank_map is not None else 1)
         saved = state_dict.get(SHARD_KEY)
         if saved is not None and gather_if_shard:
             from .runtime.comm import RDP_GROUP, allgather

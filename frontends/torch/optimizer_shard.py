@@ -30,11 +30,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from smp.topology import GroupKind
 
+from .optimizer_tp import PER_TP_RANK
 from .runtime.failure import wait
 
 __all__ = ["SHARD_KEY", "OptimizerShard", "merge_shards", "optimizer_state_bytes"]
 
 SHARD_KEY = "_smp_shard"
+_BY_NAME = ("state", "fp32_from_fp16", PER_TP_RANK)  # entries keyed by parameter name
 
 
 def _assign(sizes: Sequence[int], parts: int) -> list[int]:
@@ -135,12 +137,12 @@ def merge_shards(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """By-name optimizer state dicts of disjoint parameter sets joined into one: the shards of one (pp, tp)
     rank (ordered by rdp rank), or the parts of the pipeline stages (in the order given)."""
     ordered = sorted(parts, key=lambda sd: sd.get(SHARD_KEY, {}).get("rdp_rank", 0))
-    full = {k: v for k, v in ordered[0].items() if k not in ("state", "fp32_from_fp16", SHARD_KEY)}
+    full = {k: v for k, v in ordered[0].items() if k not in (*_BY_NAME, SHARD_KEY)}
     full["state"] = {}
     for sd in ordered:
-        full["state"].update(sd.get("state", {}))
-        if "fp32_from_fp16" in sd:
-            full.setdefault("fp32_from_fp16", {}).update(sd["fp32_from_fp16"])
+        for key in _BY_NAME:
+            if key in sd:
+                full.setdefault(key, {}).update(sd[key])
     return full
 
 

@@ -255,37 +255,3 @@ def test_zero_grad_keeps_the_optimizers_own_default_under_fp16() -> None:
     (out,) = run_ranks(_zero_grad_defaults, 1, timeout=60)
     assert out["fused_keep"] == [0.0, 0.0]
     assert out["torch"] == [None, None]
-
-
-def _full_state_under_tp() -> str:
-    import smp.torch as smp
-
-    from tests.torch.tp.test_tp_hf import _model
-
-    smp.init({"tensor_parallel_degree": 2, "ddp": True, "comm_timeout": 60.0})
-    model = smp.DistributedModel(smp.transform(_model("llama")))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        model.backward(loss)
-        return loss
-
-    train_step(model, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)))
-    opt.step()
-    assert opt.local_state_dict()["state"], "the partial state dict works"
-    try:
-        opt.state_dict()
-    except smp.exceptions.SMPCheckpointError as e:
-        return str(e)
-    finally:
-        smp.reset()
-    return ""
-
-
-def test_full_optimizer_state_dict_under_tp_is_refused_with_the_fix() -> None:
-    """Each TP rank holds the state of its own shards under the full parameters' names: merging them by name
-    (what a full state dict would do) keeps one rank's shard and drops the others'."""
-    for msg in run_ranks(_full_state_under_tp, 2, timeout=120):
-        assert "tensor parallelism" in msg and "local_state_dict()" in msg and "save_checkpoint" in msg

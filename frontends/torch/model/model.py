@@ -119,6 +119,7 @@ class DistributedModel(nn.Module):
         self._average: data_parallel.MicrobatchAverage | None = None  # set when partitioned
         self._join: UnevenInputs | None = None  # inside `with model.join():`
         self._local_param_ids: set[int] = set()
+        self._partition_hooks_ran = False
         self.plans: dict[Any, RecordedStep] = {}
         self.last_timeline: list[Any] = []
         st.model = self
@@ -255,7 +256,8 @@ class DistributedModel(nn.Module):
     # --- hooks --------------------------------------------------------------------------------------
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> _Handle:
-        """``hook(model, optimizer)`` runs after partitioning, before the first forward."""
+        """``hook(model, optimizer)`` runs once after partitioning, in the first step before its first
+        forward (at pipeline_parallel_degree 1 too, where the model is partitioned when created)."""
         self._post_partition_hooks.append(hook)
         return _Handle(self._post_partition_hooks, hook)
 
@@ -304,6 +306,12 @@ class DistributedModel(nn.Module):
         try:
             if not self._partitioned:
                 self._partition_now(first_microbatch)
+            if not self._partition_hooks_ran:
+                # At pp == 1 the model is partitioned when it is created, but SMP v1 partitions in the
+                # first step, and scripts register their loading hooks after creating the model.
+                self._partition_hooks_ran = True
+                for hook in list(self._post_partition_hooks):
+                    hook(self, smp_state.current().optimizer)
             if self._average is not None:
                 self._average.begin()
             if self._join is not None:
@@ -495,8 +503,6 @@ class DistributedModel(nn.Module):
         for model_sd, strict in self._pending_loads:
             states.load(self, model_sd, strict)
         self._pending_loads.clear()
-        for hook in list(self._post_partition_hooks):
-            hook(self, st.optimizer)
 
     # --- state dicts (state_dict.py) -------------------------------------------------------------
 

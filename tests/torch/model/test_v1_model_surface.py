@@ -132,3 +132,63 @@ def test_v1_model_surface_on_two_pipeline_ranks() -> None:
         assert out["local"] == (["head.bias", "head.weight", "norm.bias", "norm.weight"] if rank == 0
                                 else ["tail.bias", "tail.weight"])
         torch.testing.assert_close(out["losses"], _reference_losses(), msg=f"losses on rank {rank}")
+
+
+def _hooks_at_pp1(load_path: str) -> dict[str, Any]:
+    """SMP v1's load-in-hook at pipeline_parallel_degree 1: the model is partitioned when created here,
+    yet a post-partition hook registered afterwards still runs once, in the first step, before its forward."""
+    import smp.torch as smp
+
+    smp.init({"microbatches": 1})  # BatchNorm: the one-process batch statistics
+    torch.manual_seed(1)
+    model = smp.DistributedModel(Net())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
+    saved = torch.load(load_path, weights_only=False)
+    calls: list[str] = []
+
+    def load(m: Any, o: Any) -> None:
+        calls.append("partition")
+        m.load_state_dict(saved["model"])
+        o.load_state_dict(saved["optimizer"])
+
+    model.register_post_partition_hook(load)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append("forward")
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(2):
+        opt.zero_grad()
+        losses.append(train_step(model, *_data(step)).reduce_mean().item())
+        opt.step()
+    return {"calls": calls, "losses": losses}
+
+
+def test_a_post_partition_hook_registered_after_creation_runs_at_pp1(tmp_path: Any) -> None:
+    """One process trains a step on batch 0, saves by name (what smp's optimizer.state_dict() returns), then
+    trains on batches 0 and 1: the hook-loaded smp run must repeat those two losses."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    names = [n for n, _ in net.named_parameters()]
+
+    def train(step: int) -> float:
+        opt.zero_grad()
+        loss = F.mse_loss(net(_data(step)[0]), _data(step)[1])
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    train(0)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names} for g in opt.param_groups]
+    state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in net.named_parameters()}
+    torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()},
+                "optimizer": {"state": state, "param_groups": groups, "_smp_by_name": True}}, tmp_path / "one.pt")
+    expected = [train(0), train(1)]
+    got = run_ranks(_hooks_at_pp1, 1, args=(str(tmp_path / "one.pt"),))[0]
+    assert got["calls"][:2] == ["partition", "forward"] and got["calls"].count("partition") == 1, got["calls"]
+    torch.testing.assert_close(got["losses"], expected, rtol=1e-5, atol=1e-6)
