@@ -10,6 +10,7 @@ __all__ = [
     "SMPValidationError",
     "SMPInvalidArgumentError",
     "ConfigProblem",
+    "flag_arguments",
     "NotInitializedError",
     "ScheduleError",
     "PartitionError",
@@ -59,6 +60,33 @@ class SMPConfigError(SMPError, ValueError):
 # SMP v1 names for the same error, so `except smp.exceptions.SMPValidationError` keeps working.
 SMPValidationError = SMPConfigError
 SMPInvalidArgumentError = SMPConfigError
+
+
+def flag_arguments(where: str, **flags: object) -> dict[str, bool]:
+    """Method arguments that are truth values, as bools: what SMP v1 (and Python's ``if``) accepts.
+
+    Strict types belong to config keys; a method argument takes a bool or an int (an argparse
+    ``type=int`` flag such as ``gather_if_shard=args.gather_if_shard``). A string is refused: ``"0"``
+    and ``"False"`` are true in Python, which is never what the script meant.
+
+    Example:
+        >>> flag_arguments("optimizer.local_state_dict", gather_if_shard=0, cast_to_cpu=True)
+        {'gather_if_shard': False, 'cast_to_cpu': True}
+
+    Raises:
+        SMPInvalidArgumentError: every argument that is neither a bool nor an int.
+    """
+    bad = [ConfigProblem(f"{where}({name}=...)", value, "must be a bool or an int (a truth value)",
+                         "pass True or False (or 1 or 0)")
+           for name, value in flags.items() if not isinstance(value, (bool, int)) and not _is_integer(value)]
+    if bad:
+        raise SMPInvalidArgumentError(bad)
+    return {name: bool(value) for name, value in flags.items()}
+
+
+def _is_integer(value: object) -> bool:
+    """A NumPy integer or bool (``np.int64(1)``) without importing NumPy."""
+    return type(value).__module__ == "numpy" and hasattr(value, "__index__")
 
 
 class NotInitializedError(SMPError, RuntimeError):

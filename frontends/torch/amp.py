@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp.errors import ConfigProblem, SMPInvalidArgumentError
+from smp.errors import ConfigProblem, SMPInvalidArgumentError, flag_arguments
 
 from .runtime.failure import wait
 
@@ -259,9 +259,10 @@ def make_loss_scaler(static_loss_scale: float | None, dynamic_loss_scale: bool,
     """
     problems: list[ConfigProblem] = []
     where = "smp.DistributedOptimizer"
-    if type(dynamic_loss_scale) is not bool:
-        problems.append(ConfigProblem(f"{where}(dynamic_loss_scale=...)", dynamic_loss_scale, "must be a bool",
-                                      "pass True or False"))
+    try:  # SMP v1 scripts pass argparse ints (dynamic_loss_scale=args.dynamic_loss_scale)
+        dynamic_loss_scale = flag_arguments(where, dynamic_loss_scale=dynamic_loss_scale)["dynamic_loss_scale"]
+    except SMPInvalidArgumentError as e:
+        problems.extend(e.problems)
     args = dict(dynamic_loss_args or {})
     for name, value in args.items():
         if name not in _DYNAMIC_RULES:

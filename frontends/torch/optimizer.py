@@ -35,12 +35,13 @@ from typing import Any
 import torch
 
 import smp.state as smp_state
-from smp.errors import ConfigProblem, SMPCheckpointError, SMPInvalidArgumentError
+from smp.errors import ConfigProblem, SMPCheckpointError, SMPInvalidArgumentError, flag_arguments
 
 from .amp import DYNAMIC_LOSS_DEFAULTS, LossScaler, any_rank, make_loss_scaler
 from .errors import DistributedOptimizerError
 from .master_weights import MasterWeights, global_grad_norm
 from .model.precision import half_dtype
+from .model.state_dict import LOAD_INFO, saved_partition
 from .optimizer_shard import SHARD_KEY, OptimizerShard, merge_shards
 from .optimizer_tp import check_tp_degree, gather_tp_state, local_value
 
@@ -98,13 +99,6 @@ def _by_name(opt: torch.optim.Optimizer, model: Any, masters: MasterWeights, onl
             if p in opt.state and opt.state[p]:
                 state[names[id(p)]] = {k: _on_cpu(v, cast_to_cpu) for k, v in opt.state[p].items()}
     return {"state": state, "param_groups": groups, "_smp_by_name": True}
-
-
-def _check_flags(where: str, **flags: Any) -> None:
-    bad = [ConfigProblem(f"{where}({name}=...)", value, "must be a bool", "pass True or False")
-           for name, value in flags.items() if type(value) is not bool]
-    if bad:
-        raise SMPInvalidArgumentError(bad)
 
 
 def _loss_scaling(static_loss_scale: float | None, dynamic_loss_scale: bool,
@@ -301,10 +295,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
 
     def local_optimizer_state_dict(self: Any, cast_to_cpu: bool = True) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, marked ``_smp_is_partial`` (no fp16 states)."""
-        _check_flags("optimizer.local_optimizer_state_dict", cast_to_cpu=cast_to_cpu)
+        cast_to_cpu = flag_arguments("optimizer.local_optimizer_state_dict", cast_to_cpu=cast_to_cpu)["cast_to_cpu"]
         ensure_built()
         sd = _by_name(self, model, masters, only_local=True, cast_to_cpu=cast_to_cpu, shard=shards[0])
         sd["_smp_is_partial"] = True
+        sd[LOAD_INFO] = {"partition_info": model.partition_assignment}  # see apply()
         return shard_mark(sd)
 
     def local_fp16_state_dict(self: Any) -> dict[str, Any]:
@@ -322,8 +317,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         -- a collective: call it on every rank -- and ``gather_if_shard=False`` returns the shard alone,
         marked ``_smp_shard`` (save it on every rank with ``smp.save(..., v3=True)``).
         """
-        _check_flags("optimizer.local_state_dict", cast_to_cpu=cast_to_cpu, gather_if_shard=gather_if_shard,
-                     fp32_states_only=fp32_states_only)
+        flags = flag_arguments("optimizer.local_state_dict", cast_to_cpu=cast_to_cpu,
+                               gather_if_shard=gather_if_shard, fp32_states_only=fp32_states_only)
+        cast_to_cpu, gather_if_shard, fp32_states_only = flags.values()
         if fp32_states_only:
             sd = local_fp16_state_dict(self)
         else:
@@ -361,6 +357,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
             local = gather_tp_state(local, model_params(), tp)
         full = merge_shards(allgather(local, PP_GROUP))  # the stages hold disjoint parameters, as shards do
         full.pop("_smp_is_partial", None)
+        full.pop(LOAD_INFO, None)
         return full
 
     def tp_group() -> Any:
@@ -381,6 +378,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         tensors of a TP-sharded parameter's state (``state_dict()`` under TP, or saved without TP)
         give this rank's shard."""
         ensure_built()
+        saved = saved_partition(sd.get(LOAD_INFO), sd)
+        if saved is not None and model.cfg.pipeline_parallel_degree > 1 and saved != model.partition_assignment:
+            # Saved under another partition: some of this rank's parameters were another rank's then.
+            from .runtime.comm import PP_GROUP, allgather
+
+            sd = merge_shards(allgather(sd, PP_GROUP))
         stepped = {id(p): m for p, m in masters.pairs}
         params = model_params()
         by_name = {n: stepped.get(id(p), p) for n, p in params.items()}
@@ -433,7 +436,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, static_loss_scale: fl
         group: call it on every rank, each with its own shard) joins the shards first, so it loads with
         any sharding or none. A complete state dict loads anywhere (each rank takes what it steps).
         """
-        _check_flags("optimizer.load_state_dict", gather_if_shard=gather_if_shard)
+        gather_if_shard = flag_arguments("optimizer.load_state_dict", gather_if_shard=gather_if_shard)["gather_if_shard"]
         if not isinstance(state_dict, dict):
             raise SMPInvalidArgumentError([ConfigProblem("optimizer.load_state_dict(state_dict)",
                                                          type(state_dict).__name__, "must be a dict",

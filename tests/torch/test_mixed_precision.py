@@ -72,6 +72,10 @@ def test_bad_loss_scaling_arguments_are_all_named_at_once() -> None:
         make_loss_scaler(1.0, False, {"scale_window": 10})
     with pytest.raises(ValueError, match="static loss scale must be a number > 0"):
         make_loss_scaler(None, False, None)
+    # SMP v1 scripts pass argparse ints as truth values; a string is refused ("0" is true in Python)
+    assert make_loss_scaler(None, 1, None).dynamic and not make_loss_scaler(2.0, 0, None).dynamic
+    with pytest.raises(ValueError, match=r"dynamic_loss_scale=...\)='1': must be a bool or an int"):
+        make_loss_scaler(None, "1", None)
 
 
 # --- training: smp against plain torch ------------------------------------------------------------

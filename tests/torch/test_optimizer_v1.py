@@ -73,8 +73,10 @@ def _first_run(path: str) -> dict[str, Any]:
     assert opt.local_state_dict(fp32_states_only=True).keys() == fp16.keys()
     with pytest.raises(smp.exceptions.SMPCheckpointError, match="partial"):
         opt.load_local_optimizer_state_dict({"state": {}, "param_groups": []})
-    with pytest.raises(ValueError, match="must be a bool"):
+    with pytest.raises(ValueError, match="must be a bool or an int"):
         opt.local_state_dict(cast_to_cpu="yes")
+    # SMP v1 scripts pass argparse ints (gather_if_shard=args.gather_if_shard): truth values, as in SMP v1
+    assert sorted(opt.local_state_dict(gather_if_shard=0, cast_to_cpu=1)) == sorted(local)
     with pytest.raises(ValueError, match=r"bf16: True|fp16: True"):
         with smp.model_creation(dtype=torch.bfloat16):
             pass

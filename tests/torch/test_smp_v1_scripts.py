@@ -9,13 +9,12 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from tests.helpers.scripts import run_script
 from tests.helpers.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,21 +65,17 @@ def test_pt_mnist_shape_trains_on_four_ranks(tmp_path: Any) -> None:
     """2 partitions x 2 data-parallel replicas, spread placement, GradScaler, Adadelta, StepLR,
     list outputs of an evaluation step, and partial smp.save on dp_rank 0. Dropout off and data in
     order, so that every rank's losses equal one process training on both replicas' rows."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4",
-           "examples/mnist_smp_v1.py", "--epochs", "1", "--samples", "512", "--save", str(tmp_path),
-           "--dropout", "0", "--no-shuffle", "--losses", str(tmp_path / "losses")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    out = run_script("torchrun", "examples/mnist_smp_v1.py", ["--epochs", "1", "--samples", "512", "--save",
+                                                             str(tmp_path), "--dropout", "0", "--no-shuffle",
+                                                             "--losses", str(tmp_path / "losses")], nproc=4)
     ref = _mnist_reference(512, 64, 2)
     for rank, got in enumerate(_rank_losses(tmp_path / "losses", 4)):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor([s[got["dp_rank"]] for s in ref]),
                                    rtol=1e-4, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: losses\n{m}")
-    m = re.search(r"train loss [\d.]+ \(first ([\d.]+), last ([\d.]+)\).*accuracy ([\d.]+)", proc.stdout)
-    assert m, proc.stdout
+    m = re.search(r"train loss [\d.]+ \(first ([\d.]+), last ([\d.]+)\).*accuracy ([\d.]+)", out)
+    assert m, out
     first, last, accuracy = (float(g) for g in m.groups())
-    assert last < first / 2 and accuracy > 0.5, proc.stdout
+    assert last < first / 2 and accuracy > 0.5, out
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("mnist")) == ["mnist_checkpoint_0_0.pt",
                                                                                 "mnist_checkpoint_1_0.pt"]
     saved = torch.load(tmp_path / "mnist_checkpoint_1_0.pt", weights_only=False)
@@ -90,18 +85,14 @@ def test_pt_mnist_shape_trains_on_four_ranks(tmp_path: Any) -> None:
 def test_tensor_parallel_hf_script_trains_checkpoints_and_exports(tmp_path: Any) -> None:
     """examples/tp_hf_smp_v1.py: an HF Llama marked with smp.tensor_parallelism(), tp=2 x pp=2, SMP v1's
     default per-rank batches, automatic partition; the Hugging Face export loads in plain transformers."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4",
-           "examples/tp_hf_smp_v1.py", "--steps", "12", "--out", str(tmp_path), "--losses", str(tmp_path / "losses")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    out = run_script("torchrun", "examples/tp_hf_smp_v1.py", ["--steps", "12", "--out", str(tmp_path), "--losses",
+                                                              str(tmp_path / "losses")], nproc=4)
     ref = _tp_hf_reference(12)
     for rank, got in enumerate(_rank_losses(tmp_path / "losses", 4)):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, r=rank: f"rank {r}: losses\n{m}")
-    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", proc.stdout)]
-    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, proc.stdout
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, out
     assert os.path.isdir(tmp_path / "checkpoint")
     import transformers
 
@@ -161,13 +152,8 @@ def test_checkpoint_sequential_gives_the_same_gradients() -> None:
             torch.testing.assert_close(got[name], grad)
 
 
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "4", script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc
+def _torchrun(script: str, *args: str) -> str:
+    return run_script("torchrun", script, args, nproc=4)
 
 
 def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_path: Any) -> None:
@@ -186,8 +172,8 @@ def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_p
     for rank, (a, b) in enumerate(zip(_rank_losses(tmp_path / "straight", 4), _rank_losses(tmp_path / "resumed", 4))):
         assert b["start"] == 4, b
         assert b["losses"] == a["losses"][4:], f"rank {rank}: resumed {b['losses']} vs {a['losses'][4:]}"
-    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", straight.stdout)]
-    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.1, straight.stdout
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", straight)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.1, straight
 
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=32,
                                   bos_token_id=0, eos_token_id=0)
@@ -200,7 +186,7 @@ def test_gpt2_simple_script_tp2_pp2_fp16_resumes_exactly_and_exports_to_hf(tmp_p
 
     tp1 = _torchrun("examples/train_gpt_simple.py", "--tp", "1", "--steps", "4", "--checkpoint-dir",
                     str(tmp_path / "tp1"), "--fp16", "1", "--shard-optimizer-state", "1", "--save-every", "3")
-    assert "transformer.seq_layers.2-3 (2)" in tp1.stdout + tp1.stderr
+    assert "transformer.seq_layers.2-3 (2)" in tp1
     assert os.path.exists(tmp_path / "tp1" / "hf_gpt2.pt")
     # pp=2 x dp=2 with sharded optimizer state: one optimizer file per (stage, replica), SMP v1's v3 names.
     saved = sorted(os.listdir(tmp_path / "tp1" / "step_3_partial"))

@@ -513,6 +513,11 @@ class DistributedModel(nn.Module):
         for name, t in states.local_state_tensors(self).items():
             out[name] = t.detach().cpu() if cast_to_cpu else t.detach()
         out["_smp_is_partial"] = True
+        # SMP v1's record of the layout: a partial load before the first step takes this partition
+        # (scripts that load in a post-partition hook delete partition_info first).
+        out[states.LOAD_INFO] = {"tensor_parallel_degree": self.cfg.tensor_parallel_degree,
+                          "pipeline_parallel_degree": self.cfg.pipeline_parallel_degree,
+                          "partition_info": dict(self.partition_assignment)}
         return out
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,  # type: ignore[override]
@@ -526,11 +531,25 @@ class DistributedModel(nn.Module):
         """
         return states.state_dict(self, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
-        """Load a full or partial state dict; before partitioning the load waits until after it."""
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
+                        same_partition_load: bool = False, **_: Any) -> Any:
+        """Load a full or partial state dict; before partitioning the load waits until after it.
+
+        A partial state dict (``local_state_dict()``) carries the partition it was saved with
+        (``_smp_load_info["partition_info"]``). Loaded before the first step, the model takes that
+        partition, as in SMP v1; loaded after partitioning another way, the pipeline's partial dicts
+        are joined (a collective over the PP group: every rank loads its own) and each rank takes
+        what it owns now. ``same_partition_load`` is accepted (smp loads by name either way).
+        """
+        state_dict = dict(state_dict)
+        saved = states.saved_partition(state_dict.pop(states.LOAD_INFO, None), state_dict)
         if not self._partitioned:
+            if saved is not None:
+                self.use_saved_partition(saved)
             self._pending_loads.append((dict(state_dict), strict))
         else:
+            if saved is not None and self.cfg.pipeline_parallel_degree > 1 and saved != self._owner:
+                state_dict = states.join_partial(self, state_dict)
             states.load(self, state_dict, strict)
         return None
 

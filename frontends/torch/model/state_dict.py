@@ -21,8 +21,30 @@ from ..nn.params import gather_named, is_tp_sharded, shard_packed
 from ..runtime.init import runtime
 from .interface import LocalView
 
-__all__ = ["full_state", "gather_to_cpu", "load", "local_state_tensors", "merge_stages", "save_pretrained",
+__all__ = ["LOAD_INFO", "full_state", "gather_to_cpu", "join_partial", "load", "saved_partition", "local_state_tensors", "merge_stages", "save_pretrained",
            "stage_state"]
+
+
+LOAD_INFO = "_smp_load_info"  # SMP v1's layout record in a partial model state dict
+
+
+def saved_partition(info: Any, state: dict[str, Any]) -> dict[str, int] | None:
+    """The partition a partial state dict was saved with (``info``: its `LOAD_INFO`), or None."""
+    if not state.get("_smp_is_partial") or not isinstance(info, dict) or not info.get("partition_info"):
+        return None
+    return dict(info["partition_info"])
+
+
+def join_partial(model: LocalView, state: dict[str, Any]) -> dict[str, Any]:
+    """The partial state dicts of this pipeline's ranks (each passes its own), joined: what a rank
+    needs after the partition changed since the save. A collective over the PP group."""
+    from ..runtime.comm import PP_GROUP, allgather
+
+    joined: dict[str, Any] = {}
+    for part in allgather(state, PP_GROUP):
+        for name, value in part.items():
+            joined.setdefault(name, value)
+    return joined
 
 
 def local_state_tensors(model: LocalView) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+import smp.state as smp_state
 from smp.errors import SMPError
 
 from ..group import resolve_group
@@ -25,8 +26,8 @@ from ..rng import _config_seed
 logger = logging.getLogger("smp")
 M = TypeVar("M", bound=nn.Module)
 
-__all__ = ["HFTranslationError", "build_from_hf", "check_max_seq_len", "load_full_weights", "reject_partial",
-           "rename_keys", "unknown_keys_error"]
+__all__ = ["HFTranslationError", "build_from_hf", "check_max_seq_len", "hf_init_skipped", "load_full_weights",
+           "reject_partial", "rename_keys", "unknown_keys_error"]
 
 
 class HFTranslationError(SMPError, ValueError):
@@ -124,14 +125,21 @@ def build_from_hf(hf: nn.Module, build: Callable[[], M], translated: Callable[[]
                   what: str, process_group: Any = None) -> M:
     """``build()`` the SMP v1 module for the Hugging Face module ``hf`` and give it ``hf``'s weights.
 
-    When ``hf`` still has meta parameters (delayed initialisation), there are no weights to keep:
-    the new module is initialised afresh, from a generator seeded with ``random_seed`` (else
-    ``tensor_parallel_seed``) so every TP rank slices the same full tensors, leaving the caller's
-    random state untouched.
+    When there are no weights to keep, the new module is initialised afresh, as SMP v1 initialised
+    every model it converted: ``hf`` still has meta parameters (delayed initialisation), or the script
+    replaced ``PreTrainedModel.init_weights`` (SMP v1's GPT-2 example does, "DistributedModel will
+    override those weights anyway"), so Hugging Face never initialised (nor tied) them. A generator
+    seeded with ``random_seed`` (else ``tensor_parallel_seed``) makes every TP rank slice the same
+    full tensors and leaves the caller's random state untouched.
     """
-    if any(p.is_meta for p in hf.parameters()):
-        logger.info("%s: delayed (meta) parameters; the SMP v1 structure is initialised afresh (seed %d)",
-                    what, _config_seed())
+    meta = any(p.is_meta for p in hf.parameters())
+    if meta or hf_init_skipped(hf):
+        why = ("delayed (meta) parameters" if meta else
+               "PreTrainedModel.init_weights was replaced, so the Hugging Face weights were never initialised")
+        if smp_state.current().rank == 0:
+            log = logger.info if meta else logger.warning
+            log("%s: %s; the SMP v1 structure is initialised afresh, as SMP v1 did (seed %d)", what, why,
+                _config_seed())
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_config_seed())
             new = build()
@@ -140,3 +148,13 @@ def build_from_hf(hf: nn.Module, build: Callable[[], M], translated: Callable[[]
         load_full_weights(new, translated(), what, process_group)
     new.train(hf.training)
     return new
+
+
+def hf_init_skipped(hf: nn.Module) -> bool:
+    """Whether ``hf``'s ``init_weights`` is not Hugging Face's (a script replaced it to start faster)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    init = getattr(type(hf), "init_weights", PreTrainedModel.init_weights)
+    return not str(getattr(init, "__module__", "") or "").startswith("transformers")

@@ -30,6 +30,7 @@ from ._common import HFTranslationError, build_from_hf, check_max_seq_len, layer
 __all__ = [
     "BertDistributedTransformer",
     "get_hf_bert_transformer_hooks",
+    "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_bert",
     "translate_state_dict_to_hf_bert",
 ]
@@ -186,3 +187,10 @@ class BertDistributedTransformer(DistributedTransformer):
 def convert(module: Any, process_group: Any = None, **overrides: Any) -> BertDistributedTransformer:
     """The TP registry's conversion of a marked ``BertEncoder`` / ``RobertaEncoder``."""
     return BertDistributedTransformer.from_hf(module, process_group=process_group, **overrides)
+
+
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], max_seq_len: int | None = None
+                                             ) -> dict[str, Any]:
+    """SMP v1's name of `translate_hf_state_dict_to_smdistributed_bert` in its releases of 2021-2022."""
+    check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_bert(state_dict)

@@ -47,6 +47,7 @@ __all__ = [
     "GPT2DistributedTransformerLMHead",
     "get_hf_gpt2_transformer_layer_hooks",
     "get_hf_gpt2_transformer_lm_head_hooks",
+    "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gpt2",
     "translate_hf_state_dict_to_smdistributed_gpt2_layer",
     "translate_state_dict_to_hf_gpt2",
@@ -409,7 +410,7 @@ class GPT2DistributedTransformerLMHead(DistributedTransformerLMHead):
         freshly initialised one (SMP v1 did so for every model; see `build_from_hf`).
         """
         return build_from_hf(model, lambda: cls(model.config, process_group=process_group, **overrides),
-                             lambda: translate_hf_state_dict_to_smdistributed_gpt2(model.state_dict()),
+                             lambda: translate_hf_state_dict_to_smdistributed_gpt2(_tied_state(model)),
                              "GPT-2 -> SMP v1 structure", process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -433,6 +434,29 @@ class GPT2DistributedTransformerLMHead(DistributedTransformerLMHead):
         shell.save_pretrained(path, state_dict=hf_state, **kwargs)
 
 
+def _tied_state(model: Any) -> dict[str, Any]:
+    """``model``'s state dict with the LM head tied to the word embedding, as SMP v1's structure has it.
+
+    The config asks for tied weights (`_check`), so a head that differs was untied behind the config's
+    back; it takes the embedding's weights, and the user is told.
+    """
+    state = model.state_dict()
+    head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
+    if head is not None and wte is not None and head is not wte and not torch.equal(head, wte):
+        logger.warning("GPT-2 -> SMP v1 structure: lm_head.weight differs from transformer.wte.weight although the "
+                       "config ties them (tie_word_embeddings=True); the LM head takes the word embedding's weights")
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return state
+
+
 def convert(module: Any, process_group: Any = None, **overrides: Any) -> GPT2DistributedTransformerLMHead:
     """The TP registry's conversion of a marked ``GPT2LMHeadModel`` (`smp.torch.tp.registry`)."""
     return GPT2DistributedTransformerLMHead.from_hf(module, process_group=process_group, **overrides)
+
+
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], max_seq_len: int | None = None
+                                             ) -> dict[str, Any]:
+    """SMP v1's name of `translate_hf_state_dict_to_smdistributed_gpt2` in its releases of 2021-2022,
+    called ``(state_dict, max_seq_len)`` (``max_seq_len`` rebuilt transformers 4.x mask buffers: checked only)."""
+    check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_gpt2(state_dict)

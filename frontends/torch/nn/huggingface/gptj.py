@@ -59,6 +59,7 @@ __all__ = [
     "hf_gptj_transformer_init_hook",
     "hf_gptj_transformer_return_hook",
     "translate_hf_gptj_state_dict_to_smdistributed",
+    "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gptj",
     "translate_state_dict_to_hf_gptj",
 ]
@@ -215,3 +216,9 @@ def get_hf_gptj_transformer_hooks() -> tuple[Any, Any, Any]:
             model = transformers.GPTJForCausalLM(config)
     """
     return hf_gptj_transformer_init_hook, hf_gptj_transformer_forward_hook, hf_gptj_transformer_return_hook
+
+
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], max_seq_len: int | None = None
+                                             ) -> dict[str, Any]:
+    """SMP v1's first name of `translate_hf_state_dict_to_smdistributed_gptj`, called ``(state_dict, max_seq_len)``."""
+    return translate_hf_gptj_state_dict_to_smdistributed(state_dict, max_seq_len)

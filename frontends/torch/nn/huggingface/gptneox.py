@@ -72,6 +72,7 @@ __all__ = [
     "hf_gptneox_transformer_return_hook",
     "split_query_key_value",
     "translate_hf_gptneox_state_dict_to_smdistributed",
+    "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gptneox",
     "translate_state_dict_to_hf_gptneox",
 ]
@@ -298,3 +299,9 @@ def get_hf_gptneox_transformer_lm_head_hooks() -> tuple[Any, Any, Any]:
     """
     return (hf_gptneox_transformer_init_hook, hf_gptneox_transformer_forward_hook,
             hf_gptneox_transformer_return_hook)
+
+
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], max_seq_len: int | None = None,
+                                             num_attention_heads: int | None = None) -> dict[str, Any]:
+    """SMP v1's module-level name of `translate_hf_state_dict_to_smdistributed_gptneox` (``max_seq_len`` unused)."""
+    return translate_hf_gptneox_state_dict_to_smdistributed(state_dict, max_seq_len, num_attention_heads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._common import check_max_seq_len
 from .bert import (
     BertDistributedTransformer,
     convert,
@@ -23,6 +24,10 @@ __all__ = [
     "RobertaDistributedTransformer",
     "convert",
     "get_hf_roberta_transformer_hooks",
+    "hf_roberta_transformer_forward_hook",
+    "hf_roberta_transformer_init_hook",
+    "hf_roberta_transformer_return_hook",
+    "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_roberta",
     "translate_state_dict_to_hf_roberta",
 ]
@@ -43,3 +48,16 @@ def translate_state_dict_to_hf_roberta(state_dict: dict[str, Any], max_seq_len: 
 def get_hf_roberta_transformer_hooks() -> tuple[Any, Any, Any]:
     """(init_hook, forward_hook, return_hook) for ``RobertaEncoder`` -> `DistributedTransformer` (SMP v1)."""
     return hf_bert_transformer_init_hook, hf_bert_transformer_forward_hook, hf_bert_transformer_return_hook
+
+
+def translate_hf_state_dict_to_smdistributed(state_dict: dict[str, Any], max_seq_len: int | None = None
+                                             ) -> dict[str, Any]:
+    """SMP v1's name of `translate_hf_state_dict_to_smdistributed_roberta` in its releases of 2021-2022."""
+    check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_roberta(state_dict)
+
+
+# SMP v1's RoBERTa module named the encoder hooks after RoBERTa; they are BERT's.
+hf_roberta_transformer_init_hook = hf_bert_transformer_init_hook
+hf_roberta_transformer_forward_hook = hf_bert_transformer_forward_hook
+hf_roberta_transformer_return_hook = hf_bert_transformer_return_hook
