@@ -53,6 +53,8 @@ from smp.errors import NotInitializedError, SMPError
 from smp.runtime import ranks
 from smp.topology import GroupKind
 
+from .residency import is_released
+
 __all__ = [
     "REAL_HOROVOD", "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
     "HorovodAPIError", "Max", "Min", "Product", "Sum", "allreduce", "broadcast", "broadcast_object",
@@ -303,7 +305,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int) -> Any:
-    """Assign every variable the value it has on DP rank ``root_rank`` (one message for all).
+    """Assign every variable the value it has on DP rank ``root_rank`` (one message for all); the
+    variables another pipeline rank owns (released here) are skipped.
 
     SMP v1 scripts call it after the first step for ``model.variables`` and ``optimizer.variables``.
     Eager: assigns and returns None. In a ``tf.function``: returns the group of assign ops.
@@ -313,7 +316,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int) -> Any:
     """
     _require_init("broadcast_variables")
     root_rank = _root_check(root_rank, "broadcast_variables")
-    variables = list(variables() if callable(variables) else variables)
+    # A variable another pipeline rank owns has no storage here (nor on this stage's other replicas).
+    variables = [v for v in (variables() if callable(variables) else variables) if not is_released(v)]
     if REAL_HOROVOD:  # pragma: no cover - needs real Horovod
         return _real().broadcast_variables(variables, root_rank)
     values = _broadcast_tensors([tf.convert_to_tensor(v) for v in variables], root_rank, "smp_hvd_broadcast_variables")

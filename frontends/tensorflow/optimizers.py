@@ -20,6 +20,9 @@ the first ``DistributedModel`` is constructed, and ``smp.reset()`` undoes it (``
 on a Keras optimizer; adding a second, non-Keras spelling would only widen the patched surface.
 Scripts on TF1 optimizers keep TF's own ``compute_gradients``, which works inside a step as is.
 
+``apply`` (under ``apply_gradients``) is patched too, to skip the variables this rank does not hold
+(`apply_held`): each rank's optimizer builds slots for, and steps, its own variables only.
+
 Example:
     >>> install()
     >>> @smp.step
@@ -35,9 +38,11 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from smp.errors import SMPError
 
+from .residency import is_released
 from .state import tf_state
 
 __all__ = ["get_gradients", "install", "install_for_session", "installed", "uninstall"]
@@ -66,15 +71,33 @@ def get_gradients(self: Any, loss: tf.Tensor, params: Sequence[Any]) -> list[tf.
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
+def apply_held(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    """``Optimizer.apply`` over the variables this rank holds: pairs whose variable another pipeline rank
+    owns (its storage released here, `residency`) are dropped before Keras builds slots or steps.
+
+    So ``optimizer.apply_gradients(zip(grads, model.trainable_variables))`` in an SMP v1 loop keeps
+    Adam's moments for this rank's variables only, and steps nothing else.
+    """
+    if trainable_variables is not None:
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if not is_released(v)]
+        grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
+    return _BASE_APPLY(self, grads, trainable_variables)
+
+
+_BASE_APPLY = BaseOptimizer.apply
+
+
 def install() -> None:
-    """Add ``get_gradients`` to ``keras.optimizers.Optimizer`` (idempotent; ``smp.init`` calls it)."""
+    """Add ``get_gradients`` to ``keras.optimizers.Optimizer`` and make its ``apply`` skip the variables
+    this rank does not hold (idempotent; ``smp.init`` calls it)."""
     base = keras.optimizers.Optimizer
     if getattr(base, "get_gradients", None) is get_gradients:
         return
-    if "get_gradients" in base.__dict__:
-        raise SMPError("keras.optimizers.Optimizer already has a get_gradients that smp did not add; "
+    if "get_gradients" in base.__dict__ or "apply" in base.__dict__:
+        raise SMPError("keras.optimizers.Optimizer already has a get_gradients or apply that smp did not add; "
                        "smp.tensorflow leaves it alone. Fix: remove the other patch")
     base.get_gradients = get_gradients
+    base.apply = apply_held
 
 
 def uninstall() -> None:
@@ -82,6 +105,8 @@ def uninstall() -> None:
     base = keras.optimizers.Optimizer
     if base.__dict__.get("get_gradients") is get_gradients:
         del base.get_gradients
+    if base.__dict__.get("apply") is apply_held:
+        del base.apply
 
 
 def installed() -> bool:

@@ -109,7 +109,10 @@ class StepOutput:
             return None
         first = self.outputs[0]
         scaled_dtype = (tf.zeros([], first.dtype) / len(self.outputs)).dtype
-        return tf.zeros_like(first, dtype=scaled_dtype)
+        # The zero itself, not a zeros_like: that of a released variable has size zero, and
+        # ``tf.gradients`` gives it the variable's static shape, which Grappler would fold a
+        # zeros_like of into a full-size constant.
+        return tf.identity(tf.cast(first, scaled_dtype))
 
     def reduce_mean(self) -> tf.Tensor:
         """``tf.add_n([x / num_microbatches for x in outputs])`` (SMP v1): the batch value of a

@@ -15,9 +15,9 @@ layout also uses (smp/checkpoint/layout.py), so that every rank restores the sam
       mp_rank_1/
         ...
 
-Every rank holds all of the model's variables, but only the stage that owns a variable keeps it
-up to date; each stage restores its own directory, so every variable comes back correct on its
-owner (the values other stages keep for it are theirs, as before the save).
+Each stage holds only its own variables (the others' storage is released after partitioning,
+`residency`), and a released variable writes and restores nothing: a stage's checkpoint holds its
+own variables and their optimizer slots, as SMP v1's did, and each stage restores its own directory.
 
 Note [TF checkpoint commit]: a save of ``ckpt-N`` never damages a committed checkpoint::
 
@@ -122,9 +122,10 @@ def _build_optimizers(checkpoint: tf.train.Checkpoint) -> None:
     model = tf_state().model
     if model is None:
         return
+    held = [v for v in model.trainable_variables if model.is_local_variable(v)]  # slots for this rank's only
     for obj in list(vars(checkpoint).values()):
         if isinstance(obj, keras.optimizers.Optimizer) and not obj.built:
-            obj.build(model.trainable_variables)
+            obj.build(held)
 
 
 def rank_directory(directory: str, pp_rank: int) -> str:

@@ -1,12 +1,12 @@
 """``save_model``: the unpartitioned model, as plain TensorFlow / Keras load it without smp.
 
-Every rank holds all of the model's variables, but each is up to date only on the pipeline stage
-that owns it. `save_model` gathers each variable from its owner (the stages of DP rank 0's
-pipeline; their replicas hold the same values) onto world rank 0, which assigns them into its
-copy, saves, and puts its own values back::
+Each variable lives on the pipeline stage that owns it (the others released its storage,
+`model.residency`). `save_model` gathers each variable from its owner (the stages of DP rank 0's
+pipeline; their replicas hold the same values) onto world rank 0, which gives them storage for the
+export only, saves, and releases them again (a plain Keras model's own values are put back)::
 
     pp 1 (world 1)   owned values {2: ..., 3: ...} --send--> rank 0
-    rank 0           assign 2, 3; save -> <save_path>; assign its own 2, 3 back
+    rank 0           hold 2, 3; save -> <save_path>; release 2, 3 again
     every rank       learns rank 0's outcome (a failure raises on every rank)
 
 Formats: a path ending in ``.keras`` gets ``model.save`` (a Keras archive: ``keras.models.load_model``
@@ -40,6 +40,7 @@ from smp.checkpoint.manifest import commit_directory, find_leftovers, new_save_i
 from smp.errors import SMPCheckpointError
 from smp.runtime import ranks
 
+from ..residency import materialized
 from .manager import _allgather, _outcome, _raise_failures
 
 __all__ = ["save_model"]
@@ -170,14 +171,9 @@ def save_model(model: Any, save_path: str = "/opt/ml/model", owner_of: Callable[
                 values.update(comm.recv_from(r, comm.RankType.WORLD_RANK))
 
         def save() -> None:
-            keep = {i: np.asarray(variables[i].numpy()) for i in values}
-            try:
-                for i, value in values.items():
-                    variables[i].assign(value)
+            chosen = sorted(values)
+            with materialized([variables[i] for i in chosen], [values[i] for i in chosen]):
                 _write(model, save_path, export, whole_model)
-            finally:
-                for i, value in keep.items():
-                    variables[i].assign(value)
 
         _, err = _outcome(save)
     done = _allgather((None, err), f"save_model: rank 0 saving {save_path}")

@@ -11,7 +11,8 @@ and is a ``tf.custom_gradient`` function, so backward crosses the same cut in th
 
 All exchange ops of a rank are chained through a scalar *chain* tensor (in and out), the last one
 produces the model outputs, and the first one also takes the *anchors*: ``tf.identity`` reads of
-the trainable variables this rank does not own, whose gradient is zero. So on every rank every
+the trainable variables this rank does not own, whose gradient is zero (of size zero: this rank
+released their storage, `residency`). So on every rank every
 exchange op lies on the path from ``model.trainable_variables`` to the loss: a tape or
 ``tf.gradients`` runs every exchange's backward (in reverse order, the order the peers expect)
 and returns a tensor for every variable, never None. In a ``tf.function`` the stateful
@@ -30,16 +31,34 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ..residency import empty_shape
+
 __all__ = ["Recv", "Send", "exchange", "independent", "is_unowned_gradient", "recv_op", "send_op"]
 
 UNOWNED_GRADIENT = "smp_unowned_gradient"
 
 
-def _unowned_gradient(like: tf.Tensor) -> tf.Tensor:
-    """The zero gradient of an anchor (a variable this rank does not own), named so `is_unowned_gradient` finds it."""
-    if like.shape.is_fully_defined():
-        return tf.zeros(like.shape, like.dtype, name=UNOWNED_GRADIENT)
-    return tf.zeros_like(like, name=UNOWNED_GRADIENT)
+def _unowned_gradients(anchors: Sequence[tf.Tensor], released: Sequence[bool]) -> list[tf.Tensor]:
+    """The zero gradients of the anchors, named so `is_unowned_gradient` finds them.
+
+    A released variable (`residency`: another rank owns it, this rank holds no storage for it)
+    gets an empty zero (no rows, `residency.empty_shape`), so a step's gradient list holds an entry for every variable without a
+    full-size tensor for the ones this rank does not own. One ``numpy_function`` makes them all: its
+    outputs have no static shape, so the graph's gradient checks accept them and Grappler cannot
+    fold them into full-size constants (it would a ``zeros_like`` of the variable's read, whose
+    static shape is the full one). A held anchor (the one owned variable of a rank that owns them
+    all) gets a zero of its shape, which joins its real gradient.
+    """
+    out = [tf.zeros_like(a, name=UNOWNED_GRADIENT) if not gone else None for a, gone in zip(anchors, released)]
+    empty = [i for i, gone in enumerate(released) if gone]
+    if empty:
+        dtypes = [anchors[i].dtype for i in empty]
+        shapes = [empty_shape(anchors[i].shape) for i in empty]
+        zeros = tf.numpy_function(lambda: [np.zeros(s, d.as_numpy_dtype) for s, d in zip(shapes, dtypes)], [],
+                                  dtypes, stateful=True, name=UNOWNED_GRADIENT)
+        for i, z in zip(empty, zeros):
+            out[i] = z
+    return out  # type: ignore[return-value]
 
 
 def is_unowned_gradient(tensor: Any) -> bool:
@@ -173,7 +192,8 @@ def _differentiable(dtype: tf.DType) -> bool:
 def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, Sequence[Send]]],
              recvs: Sequence[Recv], passthrough: Sequence[tf.Tensor] = (),
              anchors: Sequence[tf.Tensor] = (), keep: list[Any] | None = None,
-             streams: dict[Any, tf.Tensor] | None = None) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+             streams: dict[Any, tf.Tensor] | None = None, released: Sequence[bool] = ()
+             ) -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
     """One crossing point on this rank.
 
     Args:
@@ -184,6 +204,8 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
         passthrough: local tensors returned unchanged (the model outputs this rank computed);
             their gradient passes through.
         anchors: variable reads to connect to the loss; their gradient is zero.
+        released: per anchor, whether its variable's storage is released on this rank (its zero
+            gradient then has size zero); all False when not given.
         keep: None for transfers in program order (lockstep); a list that collects the
             `independent` transfer ops, forward and backward (overlap: `engine.schedule`).
         streams: with ``keep``: the last receive of each stream (``Recv.stream`` / ``Send.stream``);
@@ -196,6 +218,7 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
     """
     n_send, n_recv, n_pass = len(sends), len(recvs), len(passthrough)
     dests = [d for _, d in sends]
+    released = list(released) or [False] * len(anchors)
 
     @tf.custom_gradient
     def op(*args: tf.Tensor) -> Any:
@@ -241,7 +264,7 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
                 d_chain_in = tf.zeros_like(chain_in)
             d_pass = list(ups[1 + n_recv:1 + n_recv + n_pass])
-            d_anchor = [_unowned_gradient(a) for a in args[1 + n_send + n_pass:]]
+            d_anchor = _unowned_gradients(args[1 + n_send + n_pass:], released)
             return [d_chain_in, *d_sent, *d_pass, *d_anchor]
 
         return [chain_out, *received, *passed], grad

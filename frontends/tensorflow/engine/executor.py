@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from smp.errors import SMPError
 
+from ..residency import is_released
 from .exchange import Recv, Send, exchange
 from .schedule import gate_for
 from .stages import StagePlan
@@ -158,9 +159,11 @@ class PartitionedCall:
                      passthrough: Sequence[tf.Tensor] = ()) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
             nonlocal chain, anchors_left
             anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
+            released = [is_released(v) for v in self.anchors] if anchors_left else []
             anchors_left = False
             chain, got, passed = exchange(self.link.transport, chain if chain is not None else tf.zeros(()),
-                                          sends, recvs, passthrough, anchors, keep=keep, streams=streams)
+                                          sends, recvs, passthrough, anchors, keep=keep, streams=streams,
+                                          released=released)
             return got, passed
 
         for stage in plan.stages:

@@ -59,7 +59,7 @@ from keras.src.backend.common import global_state  # Keras' thread-local setting
 
 import smp.state as smp_state
 from smp.errors import SMPError
-from smp.partition import PartitionScopes
+from smp.partition import PartitionScopes, format_bytes
 
 from .. import keras_loop
 from ..engine.executor import PartitionedCall
@@ -69,6 +69,7 @@ from ..engine.timeline import ActionLog
 from ..optimizers import install_for_session
 from ..partitioning.decide import decide, placement_table
 from ..partitioning.trace import input_signature, trace_call
+from ..residency import release
 from ..state import TFState, tf_state
 from .hooks import note_model_constructed, run_post_partition_hooks
 
@@ -121,8 +122,8 @@ class DistributedModel(keras.Model):
     def variable_owner(self, variable: Any) -> int | None:
         """The pipeline rank that owns ``variable`` (an element of ``variables``, or its index)."""
         index = variable if isinstance(variable, int) else self._variable_index(variable)
-        owners = self._smp.owners or {}
-        return owners.get(index, 0) if self.partitioned else None
+        owners = self._smp.owners
+        return owners.get(index, 0) if owners is not None else None
 
     def is_local_variable(self, variable: Any) -> bool:
         """Whether this rank owns ``variable`` (so its value here is the trained one)."""
@@ -296,6 +297,13 @@ class DistributedModel(keras.Model):
         if not self._smp.hooks_ran:
             self._smp.hooks_ran = True
             run_post_partition_hooks()
+        if pp_size > 1:  # after the hooks (a deferred restore brings every stage's values in)
+            foreign = [v for i, v in enumerate(self.variables) if placement.owners.get(i, 0) != link.pp_rank]
+            freed = release(foreign)
+            if first and freed:
+                logger.info("smp.tensorflow: pp_rank %d holds %d of %d variables; released %s owned by other "
+                            "ranks", link.pp_rank, len(self.variables) - len(foreign), len(self.variables),
+                            format_bytes(freed))
         return _Partitioned(plan=plan, runner=runner)
 
     def _agree_on_variables(self, replicas: bool) -> None:

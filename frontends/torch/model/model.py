@@ -21,6 +21,7 @@ from torch import nn
 
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
+from smp.partition import format_bytes
 from smp.topology import GroupKind
 
 from ..engine.engine import Engine, current_task
@@ -33,6 +34,7 @@ from ..errors import (
 )
 from ..nn.batch import scale_arguments, unscale_outputs
 from ..partitioning.decide import check_saved_partition, decide_partition
+from ..runtime import heap
 from ..runtime.init import runtime
 from . import data_parallel, precision
 from . import state_dict as states
@@ -495,6 +497,12 @@ class DistributedModel(nn.Module):
             self._dispatch.engine.keep_remote = bool(cfg.fast_mode)  # type: ignore[union-attr]
         if delayed is not None:  # allocate and initialise this rank's delayed parameters only
             delayed.materialize(self._param_is_local, cfg)
+        if cfg.pipeline_parallel_degree > 1:
+            # The other ranks' parameters (and the traced microbatch) were just freed: give the pages
+            # back, or smp's heap settings (runtime/heap.py) keep the whole model mapped here.
+            freed = heap.give_back_freed()
+            if st.rank == 0 and freed:
+                logger.info("partitioned: rank 0 gave %s of freed memory back to the system", format_bytes(freed))
         self._partitioned = True
         self._average = data_parallel.MicrobatchAverage(self.local_parameters(), cfg.microbatches,
                                                         lambda: self.average_grads_across_microbatches)
