@@ -236,6 +236,7 @@ class StepOutput:
         dtype = (first.values if isinstance(first, tf.IndexedSlices) else _dense(first)).dtype
         scaled_dtype = (tf.zeros([], dtype) / n).dtype
         shape = _dense(first).shape if not isinstance(first, tf.IndexedSlices) else None
+        ours = var is None
         if var is None:
             var = _ACCUMULATORS.get(caller, scaled_dtype)
             if var is None:
@@ -272,6 +273,15 @@ class StepOutput:
                     token = var.assign(total / n)
         with tf.control_dependencies([token]):
             out = tf.identity(var.read_value())
+        if ours and out.shape.rank != 0:
+            # Our accumulator is needed within the step only: emptied once read, it does not keep a
+            # copy of every gradient between steps (the read value lives on until it is consumed).
+            # The empty value is gathered from the read value (no rows): the same rank (Grappler takes
+            # a variable's shape from what is assigned to it, and a reduction over every axis of a
+            # later read must see the true rank), a data dependence on the read that Grappler keeps
+            # (a control dependence alone it may drop: the assign then ran too early), and a tensor
+            # of its own (a slice would keep the whole read buffer alive).
+            var.assign(tf.gather(out, tf.zeros([0], tf.int32)))
         if shape is not None and not tf.executing_eagerly():
             out.set_shape(shape)
         return out

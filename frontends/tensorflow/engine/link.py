@@ -14,7 +14,7 @@ from smp.topology import GroupKind
 
 from .executor import Link
 
-__all__ = ["current_link", "pp_broadcast", "world_broadcast"]
+__all__ = ["current_link", "dp_broadcast_array", "pp_broadcast", "world_broadcast"]
 
 
 def _runtime() -> Any:
@@ -49,3 +49,13 @@ def world_broadcast(obj: Any, what: str) -> Any:
     rt = _runtime()
     world = rt.groups[GroupKind.WORLD]
     return bcast_object(world, obj, 0, what, list(rt.group_ranks[GroupKind.WORLD]))
+
+
+
+def dp_broadcast_array(array: Any, what: str) -> Any:
+    """DP rank 0's ``array`` (shape and dtype known to every rank) on every rank of this rank's
+    data-parallel group (the replicas of its pipeline stage), sent unpickled."""
+    from ..runtime.mpi import bcast_array
+
+    rt = _runtime()
+    return bcast_array(rt.groups[GroupKind.DP], array, 0, what, list(rt.group_ranks[GroupKind.DP]))

@@ -60,15 +60,16 @@ from keras.src.backend.common import global_state  # Keras' thread-local setting
 import smp.state as smp_state
 from smp.errors import SMPError
 from smp.partition import PartitionScopes, format_bytes
+from smp.runtime.memory import give_back_freed
 
 from .. import keras_loop
 from ..engine.executor import PartitionedCall
-from ..engine.link import current_link, pp_broadcast, world_broadcast
+from ..engine.link import current_link, dp_broadcast_array, pp_broadcast, world_broadcast
 from ..engine.stages import StagePlan, plan_stages
 from ..engine.timeline import ActionLog
 from ..optimizers import install_for_session
 from ..partitioning.decide import decide, placement_table
-from ..partitioning.trace import input_signature, trace_call
+from ..partitioning.trace import initialize_deferred, input_signature, trace_call
 from ..residency import release
 from ..state import TFState, tf_state
 from .hooks import note_model_constructed, run_post_partition_hooks
@@ -268,14 +269,20 @@ class DistributedModel(keras.Model):
         if self._smp_scopes is None:
             self._smp_scopes = PartitionScopes.from_settings(cfg.partition_section())
         first = self._smp.owners is None
-        traced = trace_call(self, args, kwargs, call=keras.Model.__call__)
+        # A pipeline builds the variables without values; each rank gives values to its own only.
+        traced = trace_call(self, args, kwargs, call=keras.Model.__call__, defer_values=first and pp_size > 1)
         world = smp_state.current().rank_map.world_size
         if first and world > 1:
-            self._agree_on_variables(world > pp_size)
+            self._check_same_variables(world > pp_size)
         placement = decide(traced, pp_size=pp_size, cfg=cfg, owners=self._smp.owners,
                            broadcast=(lambda obj: pp_broadcast(obj, "the op placement")) if pp_size > 1 else None,
                            is_root=link.pp_rank == 0)
         self._smp.owners = placement.owners
+        if first:
+            mine = {id(v) for i, v in enumerate(self.variables) if placement.owners.get(i, 0) == link.pp_rank}
+            initialize_deferred(traced.deferred, lambda v: id(v) in mine)
+            if world > pp_size:  # the replicas of this stage start alike: dp rank 0's values
+                self._agree_on_variables([v for v in self.variables if id(v) in mine])
         plan = plan_stages(traced, placement, pp_size)
         for stage in plan.stages:
             if stage.partition == link.pp_rank:
@@ -300,25 +307,20 @@ class DistributedModel(keras.Model):
         if pp_size > 1:  # after the hooks (a deferred restore brings every stage's values in)
             foreign = [v for i, v in enumerate(self.variables) if placement.owners.get(i, 0) != link.pp_rank]
             freed = release(foreign)
+            give_back_freed()  # the released storage leaves the process (smp.runtime.memory)
             if first and freed:
                 logger.info("smp.tensorflow: pp_rank %d holds %d of %d variables; released %s owned by other "
                             "ranks", link.pp_rank, len(self.variables) - len(foreign), len(self.variables),
                             format_bytes(freed))
         return _Partitioned(plan=plan, runner=runner)
 
-    def _agree_on_variables(self, replicas: bool) -> None:
-        """Every rank takes pipeline rank 0's variable values; fails naming the first mismatch.
-
-        With several replicas (``replicas``: data or tensor parallel ranks) every rank takes world
-        rank 0's values, so the DP replicas start alike too (as ``hvd.broadcast_variables`` would).
-        """
+    def _check_same_variables(self, replicas: bool) -> None:
+        """Fail, naming the first mismatch, unless every rank built the variables pipeline rank 0 built."""
         prefix = self.name + "/"
         mine = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, tuple(v.shape), str(v.dtype))
                 for v in self.variables]
         bcast = world_broadcast if replicas else pp_broadcast
-        sent = bcast((mine, [np.asarray(v.numpy()) for v in self.variables]),
-                     "the DistributedModel's initial variable values")
-        names, values = sent
+        names = bcast(mine, "the DistributedModel's variables (names, shapes, dtypes)")
         for i, (a, b) in enumerate(zip(mine, names)):
             if a != b:
                 raise SMPError(f"variable {i} differs between this rank and pipeline rank 0: {a} here, {b} there. "
@@ -326,7 +328,12 @@ class DistributedModel(keras.Model):
         if len(mine) != len(names):
             raise SMPError(f"this rank built {len(mine)} variables, pipeline rank 0 built {len(names)}. Fix: build "
                            "the same model on every rank")
-        for v, value in zip(self.variables, values):
+
+    def _agree_on_variables(self, variables: list[Any]) -> None:
+        """The data-parallel replicas of this stage take DP rank 0's values of ``variables`` (this rank's),
+        one variable at a time and unpickled: no rank holds a second copy of its part."""
+        for v in variables:
+            value = dp_broadcast_array(np.asarray(v.numpy()), f"the initial value of {v.path}")
             v.assign(value)
 
 
@@ -384,13 +391,19 @@ def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _after_sends(outputs: list[Any], transport: Any, log: ActionLog) -> list[Any]:
-    """The step's outputs, made to wait for this rank's pending sends (and closing the step's action log)."""
+    """Complete this rank's pending sends and close the step's action log, at the end of the step.
+
+    A stateful op: its ``tf.function`` (the step's own, or the script's around it) does not return
+    before it ran. The outputs are not made to wait for it: a gradient a microbatch produced is
+    consumed (accumulated, its memory freed) while later microbatches run, instead of every
+    microbatch's gradients living until the last send completes (the sends hold copies of their
+    tensors, `runtime.transport`).
+    """
 
     def flush() -> np.int32:
         transport.flush("the pipeline sends of this step")
         log.end_step()
         return np.int32(0)
 
-    token = tf.numpy_function(flush, [], tf.int32, stateful=True, name="smp_flush")
-    with tf.control_dependencies([token]):
-        return [tf.identity(o) if isinstance(o, tf.Tensor) else o for o in outputs]
+    tf.numpy_function(flush, [], tf.int32, stateful=True, name="smp_flush")
+    return outputs

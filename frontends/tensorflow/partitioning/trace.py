@@ -16,18 +16,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.tensorflow.core import Variable as KerasTFVariable  # Keras' TF variable (private)
+from tensorflow.python.ops import resource_variable_ops
 
 from smp.errors import SMPError
 
-__all__ = ["TracedCall", "input_signature", "trace_call"]
+__all__ = ["TracedCall", "initialize_deferred", "input_signature", "trace_call"]
 
 # Ops that are never partitioned: recomputed by every stage that needs them, never sent.
 FREE_TYPES = frozenset({"Const", "Placeholder"})
@@ -45,6 +48,8 @@ class TracedCall:
         ops: the forward ops in program order, without Const/Placeholder.
         var_of_op: op name -> index in ``model.variables`` of the variable the op reads or writes.
         var_of_read: ``ReadVariableOp`` name -> its variable (what the auto-partitioner takes).
+        deferred: with ``defer_values``: each variable the build created without a value, with its
+            initializer, in the order Keras would have initialized them (`initialize_deferred`).
     """
 
     wrapped: Any
@@ -54,6 +59,7 @@ class TracedCall:
     ops: list[tf.Operation]
     var_of_op: dict[str, int]
     var_of_read: dict[str, Any]
+    deferred: list[tuple[Any, Any]] = field(default_factory=list)
 
     @property
     def graph(self) -> tf.Graph:
@@ -84,7 +90,7 @@ def input_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list
 
 
 def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], tensor_pos: list[int],
-           specs: list[tf.TensorSpec]) -> None:
+           specs: list[tf.TensorSpec], defer_values: bool = False) -> list[tuple[Any, Any]]:
     """Create the model's variables before the trace, with Keras' own symbolic build.
 
     Keras builds a subclassed model on its first call by running ``call()`` on symbolic tensors in
@@ -92,14 +98,21 @@ def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list
     the variables when the outermost such scope closes. Inside ``wrap_function`` that scope is not
     the outermost, so the variables stayed uninitialized and the trace would read their
     initializers' values as constants; building first, eagerly, avoids that.
+
+    With ``defer_values`` (a pipeline: each rank will own part of the variables) the variables get
+    a handle of their full shape and no value (``UninitializedVariable``): the trace needs only the
+    handles, and `initialize_deferred` later gives values to the ones this rank owns. Returns those
+    variables with their initializers, in Keras' order (empty when Keras had nothing to defer, e.g.
+    a model built before its first step).
     """
     if model.built and all(getattr(v, "_value", True) is not None for v in model.variables):
-        return
+        return []
     leaves = list(flat)
     for pos, spec in zip(tensor_pos, specs):
         leaves[pos] = keras.KerasTensor(spec.shape.as_list(), spec.dtype.name)
     a, k = tf.nest.pack_sequence_as((args, kwargs), leaves)
-    with warnings.catch_warnings():
+    deferred: list[tuple[Any, Any]] = []
+    with warnings.catch_warnings(), _values_deferred(deferred, enabled=defer_values):
         # Keras warns that build() "looks like it has unbuilt state": it checks before the symbolic
         # call has built the sublayers; the check below is the one that matters.
         warnings.filterwarnings("ignore", message=r".*does not have a `build\(\)` method implemented.*")
@@ -111,10 +124,49 @@ def _build(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list
                        "Fix: create the layers' variables in build() or __init__")
     # Built: the traced call must not run Keras' symbolic build again (nor warn about it).
     model.built = True
+    return deferred
+
+
+@contextlib.contextmanager
+def _values_deferred(deferred: list[tuple[Any, Any]], enabled: bool) -> Iterator[None]:
+    """While the block runs, Keras' deferred initialization makes value-less handles (see `_build`)."""
+    if not enabled:
+        yield
+        return
+    cls = KerasTFVariable
+    original = cls._deferred_initialize
+
+    def handle_only(self: Any) -> None:
+        with tf.init_scope():
+            self._value = resource_variable_ops.UninitializedVariable(
+                shape=self._shape, dtype=tf.as_dtype(self._dtype), trainable=self.trainable, name=self.name)
+        deferred.append((self, self._initializer))
+        self._initializer = None
+
+    cls._deferred_initialize = handle_only
+    try:
+        yield
+    finally:
+        cls._deferred_initialize = original
+
+
+def initialize_deferred(deferred: list[tuple[Any, Any]], owned: Callable[[Any], bool]) -> None:
+    """Give the deferred variables that this rank ``owned`` their initial values.
+
+    Every initializer runs, in Keras' order, so the random streams advance as in one process and
+    each owned variable gets exactly the value an unpartitioned build gives it; the value of a
+    variable this rank does not own is dropped at once (one variable's memory at a time), and its
+    handle stays without a value until the model releases it (`residency`).
+    """
+    for v, initializer in deferred:
+        value = initializer(v.shape, dtype=v.dtype)
+        if owned(v):
+            v._value.assign(tf.cast(value, v._value.dtype))
+        del value
 
 
 def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               call: Callable[..., Any]) -> TracedCall:
+               call: Callable[..., Any], defer_values: bool = False) -> TracedCall:
     """Trace ``call(model, *args, **kwargs)`` once at the specs of the tensor leaves of the arguments.
 
     Args:
@@ -122,6 +174,7 @@ def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         args, kwargs: the arguments of this call (graph tensors of the step are fine: only their
             specs are used; a ``tf.TensorSpec`` leaf traces at that spec).
         call: the unpartitioned ``__call__`` (``keras.Model.__call__``).
+        defer_values: build the variables without values (`_build`); `TracedCall.deferred` lists them.
 
     Raises:
         SMPError: the call returns something that is not a structure of tensors.
@@ -140,7 +193,7 @@ def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         holder["structure"] = out
         return tf.nest.flatten(out)
 
-    _build(model, args, kwargs, flat, tensor_pos, specs)
+    deferred = _build(model, args, kwargs, flat, tensor_pos, specs, defer_values)
     wrapped = tf.compat.v1.wrap_function(body, specs)
     graph = wrapped.graph
     outputs = list(wrapped.outputs)
@@ -163,4 +216,5 @@ def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     var_of_read[op.name] = model.variables[resource_var[t.name]]
                 break
     return TracedCall(wrapped=wrapped, inputs=list(wrapped.inputs[: len(specs)]), outputs=outputs,
-                      output_structure=holder["structure"], ops=ops, var_of_op=var_of_op, var_of_read=var_of_read)
+                      output_structure=holder["structure"], ops=ops, var_of_op=var_of_op, var_of_read=var_of_read,
+                      deferred=deferred)

@@ -137,6 +137,21 @@ def bcast_object(comm: MPI.Comm, obj: Any, root: int, what: str, ranks: list[int
     return obj if comm.Get_rank() == root else pickle.loads(buf.tobytes())
 
 
+def bcast_array(comm: MPI.Comm, array: np.ndarray, root: int, what: str, ranks: list[int] | None = None,
+                timeout_s: float | None = None) -> np.ndarray:
+    """``root``'s ``array`` on every member of ``comm``, sent as it is (no pickling: one copy at most).
+
+    Every member passes an array of the agreed shape and dtype (the receivers' contents are
+    overwritten, in place); returned for convenience.
+    """
+    if comm.Get_size() == 1:
+        return array
+    buf = np.ascontiguousarray(array)
+    wait_request(comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root), what, _members(comm, ranks), buf,
+                 timeout_s)
+    return buf
+
+
 def allgather_objects(comm: MPI.Comm, obj: Any, what: str, ranks: list[int] | None = None,
                       timeout_s: float | None = None) -> list[Any]:
     """Every member's ``obj``, in ``comm`` rank order."""

@@ -22,6 +22,7 @@ from torch import nn
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
 from smp.partition import format_bytes
+from smp.runtime.memory import give_back_freed
 from smp.topology import GroupKind
 
 from ..engine.engine import Engine, current_task
@@ -34,7 +35,6 @@ from ..errors import (
 )
 from ..nn.batch import scale_arguments, unscale_outputs
 from ..partitioning.decide import check_saved_partition, decide_partition
-from ..runtime import heap
 from ..runtime.init import runtime
 from . import data_parallel, precision
 from . import state_dict as states
@@ -499,8 +499,9 @@ class DistributedModel(nn.Module):
             delayed.materialize(self._param_is_local, cfg)
         if cfg.pipeline_parallel_degree > 1:
             # The other ranks' parameters (and the traced microbatch) were just freed: give the pages
-            # back, or smp's heap settings (runtime/heap.py) keep the whole model mapped here.
-            freed = heap.give_back_freed()
+            # back, or smp's heap settings (runtime/heap.py) keep the whole model mapped here
+            # (smp.runtime.memory).
+            freed = give_back_freed()
             if st.rank == 0 and freed:
                 logger.info("partitioned: rank 0 gave %s of freed memory back to the system", format_bytes(freed))
         self._partitioned = True

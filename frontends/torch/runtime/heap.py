@@ -42,7 +42,7 @@ import logging
 import os
 import platform
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_freed", "keep_freed_memory", "share_heap"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "share_heap"]
 
 # malloc.h
 _M_TRIM_THRESHOLD = -1
@@ -88,29 +88,3 @@ def keep_freed_memory() -> None:
     if not (_mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
         log.debug("mallopt(M_TRIM_THRESHOLD / M_MMAP_THRESHOLD) failed: freed memory goes back to the kernel")
 
-
-def give_back_freed() -> int:
-    """Return the heap's free pages to the kernel now (``malloc_trim(0)``); the bytes given back.
-
-    Partitioning frees the storage of every parameter another rank owns (and the traced
-    microbatch's buffers): with the thresholds above, that memory would stay mapped in this
-    process for good, and a rank would keep the whole model's footprint (issue 37). Called once,
-    right after those frees; later steps reuse the heap as before. Where glibc is not the C
-    library, nothing happens.
-    """
-    if not _glibc():
-        return 0
-    before = _resident_bytes()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return 0
-    return max(0, before - _resident_bytes())
-
-
-def _resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
