@@ -73,6 +73,8 @@ def _torch_child(model_name: str, layers: int, pp: int) -> dict[str, Any]:
     if pp:
         import smp.torch as smp
 
+        # Under the memory limit the model is built as a user builds one too big for a process:
+        # with delayed parameter initialisation (no rank allocates what another owns).
         smp.init({"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES,
                   "auto_partition": model_name != "mlp", "default_partition": 0})
     base = _rss()
@@ -97,7 +99,11 @@ def _torch_child(model_name: str, layers: int, pp: int) -> dict[str, Any]:
                     x = stage(x)
                 return x
 
-        net: nn.Module = Deep()
+        if smp is not None:
+            with smp.delay_param_initialization(enabled=bool(os.environ.get(LIMIT_ENV))):
+                net: nn.Module = Deep()
+        else:
+            net = Deep()
         batch = torch.randn(8, width)
 
         def loss_of(model: Any, x: torch.Tensor) -> torch.Tensor:
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.launches} launches; ideal 1/pp)\n")
     print(f"{'frontend':<11}{'model':<7}{'layers':>8}{'pp':>4}  {'one process':>12}  per rank: peak share "
           f"(steady share)")
-    for model_name in args.models.split(","):
+    for model_name in [m for m in args.models.split(",") if m]:
         for frontend in FRONTEND[model_name]:
             if frontend not in frontends:
                 continue

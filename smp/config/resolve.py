@@ -50,6 +50,8 @@ class PartitionSection:
     """The rank of each chain part in order (`smp.pipeline.registry.default_chain`: the V for
     ``zb_v``, else the loop ``0 .. p-1`` repeated ``virtual_stages`` times)."""
     microbatches: int
+    memory_per_rank: int | None = None
+    """Bytes a rank may use for the model (the ``memory_per_rank`` key), or None for no limit."""
 
 
 class Config:
@@ -123,6 +125,7 @@ class Config:
             virtual_stages=self.virtual_stages,
             stage_ranks=default_chain(self.pipeline, self.pipeline_parallel_degree, self.virtual_stages),
             microbatches=self.microbatches,
+            memory_per_rank=self.memory_per_rank,
         )
 
 

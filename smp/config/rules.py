@@ -208,6 +208,20 @@ def _virtual_stages_fit_the_schedule(cfg: MutableMapping[str, Any], ctx: RuleCon
                                           "in a V", "set virtual_stages: 2"))
 
 
+def _memory_per_rank_is_a_size(cfg: MutableMapping[str, Any], ctx: RuleContext) -> None:
+    value = cfg["memory_per_rank"]
+    if value is None:
+        return
+    from smp.partition.report import parse_size
+
+    size = parse_size(value) if isinstance(value, str) else value
+    if size is None or size <= 0:
+        ctx.problems.append(ConfigProblem("memory_per_rank", value, "must be a positive number of bytes or a size "
+                                          "such as '12GiB' or '16GB'", "write e.g. memory_per_rank: '12GiB'"))
+        return
+    cfg["memory_per_rank"] = int(size)
+
+
 # Applied in this order: a rule may change a value a later rule reads (ddp turned on by v2 keys,
 # 'simple' run as 'interleaved' before the virtual-stage check).
 RULES: tuple[Rule, ...] = (
@@ -229,6 +243,7 @@ RULES: tuple[Rule, ...] = (
     _fp32_accumulation_needs_fp16,
     _no_attention_checkpointing_under_pp,
     _virtual_stages_fit_the_schedule,
+    _memory_per_rank_is_a_size,
 )
 
 

@@ -7,13 +7,20 @@ See docs/partition.md.
 """
 
 from smp.partition.chain import chain_bottleneck, min_bottleneck, part_costs, partition_chain, split_under
-from smp.partition.cost import CostModel, MemoryBudget, memory_weight_for
+from smp.partition.cost import CostModel, MemoryBudget, in_flight_by_rank, memory_weight_for
 from smp.partition.graph import ModuleNode, ModuleTree, Totals, exclusive_compute
 from smp.partition.items import WorkItem
 from smp.partition.opgraph import OpEdge, OpGraph, OpNode
 from smp.partition.opresult import OpGroup, OpPartition
 from smp.partition.ops import partition_op_graph
-from smp.partition.report import PartitionReport, RankSummary, ReportRow, format_bytes, format_count
+from smp.partition.report import (
+    PartitionReport,
+    RankSummary,
+    ReportRow,
+    format_bytes,
+    format_count,
+    parse_size,
+)
 from smp.partition.result import Segment, TreePartition, check_shared_groups
 from smp.partition.scopes import PartitionScopes, PartitionSettings
 from smp.partition.tree import partition_tree
@@ -42,8 +49,10 @@ __all__ = [
     "exclusive_compute",
     "format_bytes",
     "format_count",
+    "in_flight_by_rank",
     "memory_weight_for",
     "min_bottleneck",
+    "parse_size",
     "part_costs",
     "partition_chain",
     "partition_op_graph",

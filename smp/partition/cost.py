@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from smp.errors import PartitionError
 
-__all__ = ["CostModel", "MemoryBudget", "memory_weight_for"]
+__all__ = ["CostModel", "MemoryBudget", "in_flight_by_rank", "memory_weight_for"]
 
 OPTIMIZE_CHOICES = ("speed", "memory")
 
@@ -134,3 +134,20 @@ class MemoryBudget:
         if self.cap_bytes is None:
             return True
         return self.rank_bytes(rank, param_bytes, activation_bytes) <= self.cap_bytes * share
+
+
+def in_flight_by_rank(pipeline: str, num_ranks: int, microbatches: int, active_microbatches: int) -> tuple[int, ...]:
+    """Microbatches whose activations each pipeline rank holds at its peak, for a partition's estimate.
+
+    GPipe (and ``simple``, which runs every forward first) keeps all of them; the 1F1B family keeps
+    at most what the rank's distance to the end of the pipeline lets in, and never more than
+    ``active_microbatches`` (SMP v1's cap). The scheduler's simulation is exact; this is what is
+    known before the plan exists.
+
+    Example:
+        >>> in_flight_by_rank("interleaved", 4, 8, 6), in_flight_by_rank("gpipe", 2, 8, 8)
+        ((4, 3, 2, 1), (8, 8))
+    """
+    if pipeline in ("gpipe", "simple"):
+        return (min(microbatches, active_microbatches),) * num_ranks
+    return tuple(max(1, min(num_ranks - r, microbatches, active_microbatches)) for r in range(num_ranks))

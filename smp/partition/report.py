@@ -10,7 +10,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["PartitionReport", "RankSummary", "ReportRow", "format_bytes", "format_count"]
+__all__ = ["PartitionReport", "RankSummary", "ReportRow", "format_bytes", "format_count", "memory_fixes",
+           "parse_size"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,33 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """``"80GiB"`` -> bytes (``GB`` is 10^9, ``GiB`` and a bare ``G`` are 2^30); None when unreadable.
+
+    Example:
+        >>> parse_size("80GiB"), parse_size("1.5 GB"), parse_size("512"), parse_size("lots")
+        (85899345920, 1500000000, 512, None)
+    """
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def memory_fixes(key: str = "memory_per_rank") -> str:
+    """What a user can change when a rank's memory estimate exceeds ``key``."""
+    return ("Fix: more partitions (pipeline_parallel_degree), optimize: 'memory' (balances memory instead of "
+            "compute), delayed_parameter_initialization with smp.model_creation / smp.delay_param_initialization "
+            "(no rank builds what it does not own), activation checkpointing (smp.set_activation_checkpointing) or "
+            f"fewer microbatches in flight (active_microbatches), or a larger {key}")
 
 
 def _imbalance(values: Sequence[float]) -> float:
@@ -141,6 +169,8 @@ class PartitionReport:
     chain: tuple[int, ...] = ()
     memory_cap_bytes: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    param_memory_factor: float = 4.0
+    """Bytes held per byte of parameters: weights, gradients and optimizer state (4: fp32 Adam)."""
 
     @property
     def imbalance(self) -> float:
@@ -168,6 +198,42 @@ class PartitionReport:
         if self.memory_cap_bytes is None:
             return None
         return all(r.memory_bytes <= self.memory_cap_bytes for r in self.ranks)
+
+    def rank_memory(self, rank: int) -> dict[str, float]:
+        """``rank``'s estimate in parts: weights, gradients, optimizer state, in-flight activations.
+
+        Example:
+            >>> r = PartitionReport("t", (), (RankSummary(0, 10, 40, 1.0, 200.0, 1.0, 2),))
+            >>> r.rank_memory(0)
+            {'weights': 40.0, 'gradients': 40.0, 'optimizer': 80.0, 'activations': 40.0, 'total': 200.0}
+        """
+        summary = next(r for r in self.ranks if r.rank == rank)
+        weights = float(summary.param_bytes)
+        held = self.param_memory_factor * weights
+        return {"weights": weights, "gradients": weights, "optimizer": max(0.0, held - 2 * weights),
+                "activations": max(0.0, summary.memory_bytes - held), "total": float(summary.memory_bytes)}
+
+    def require_fit(self, key: str = "memory_per_rank") -> None:
+        """Raise unless every rank's estimate fits the cap (nothing to check without one).
+
+        Raises:
+            PartitionMemoryError: naming each rank over the cap, its estimate in parts, and what to change.
+        """
+        if self.memory_cap_bytes is None or self.fits:
+            return
+        from smp.errors import PartitionMemoryError
+
+        over = [r for r in self.ranks if r.memory_bytes > self.memory_cap_bytes]
+        lines = []
+        for r in over:
+            part = self.rank_memory(r.rank)
+            lines.append(f"  rank {r.rank}: {format_bytes(part['total'])} = weights {format_bytes(part['weights'])} "
+                         f"+ gradients {format_bytes(part['gradients'])} + optimizer state "
+                         f"{format_bytes(part['optimizer'])} + activations of {r.in_flight} microbatch(es) in "
+                         f"flight {format_bytes(part['activations'])}")
+        raise PartitionMemoryError(
+            f"{key}={format_bytes(self.memory_cap_bytes)}: the estimate of {len(over)} pipeline rank(s) exceeds it, "
+            "before the first step:\n" + "\n".join(lines) + f"\n{memory_fixes(key)}\n\n{self.render()}")
 
     def to_dict(self) -> dict[str, object]:
         """Plain data (JSON-ready)."""

@@ -226,7 +226,8 @@ class TreePartition:
         )
         heading = title or (f"Partition assignments ({self.method}, pp={self.num_ranks}"
                             + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else "") + ")")
-        return PartitionReport(heading, tuple(rows), ranks, self.chain(), budget.cap_bytes, self.notes)
+        return PartitionReport(heading, tuple(rows), ranks, self.chain(), budget.cap_bytes, self.notes,
+                               budget.param_memory_factor)
 
     def to_dict(self) -> dict[str, object]:
         """The decision as plain data, to broadcast to the other ranks."""

@@ -27,7 +27,7 @@ CONFIG_KEYS = {
     "sharded_data_parallel_degree", "sdp_reduce_bucket_size", "sdp_param_persistence_threshold",
     "sdp_max_live_parameters", "sdp_hierarchical_allgather", "sdp_gradient_clipping", "offload_activations",
     "activation_loading_horizon", "shard_optimizer_state", "skip_tracing", "delayed_parameter_initialization",
-    "fp16", "bf16", "fp16_params", "tensor_parallel_seed", "random_seed", "deterministic_server", "comm_timeout",
+    "fp16", "bf16", "fp16_params", "tensor_parallel_seed", "random_seed", "deterministic_server", "comm_timeout", "memory_per_rank",
     "hybrid_shard_degree", "sm_activation_offloading", "fsdp_cache_flush_warnings", "allow_empty_shards",
     "context_parallel_degree", "expert_parallel_degree", "fast_mode", "static_mode", "_shard_offloaded_activations",
     "task_level_activation_loading_horizon", "herring", "_match_weights", "_fp32_grad_accumulation",

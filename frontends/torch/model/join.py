@@ -21,20 +21,22 @@ with no gradients anywhere syncs nothing, as outside the block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import smp.state as smp_state
+from smp.errors import SMPError
 from smp.topology import GroupKind
 
-from ..errors import UnevenInputsError
+from ..errors import DDPNotEnabledError, ModelNotPartitionedError, UnevenInputsError
 from ..nn.params import is_tp_sharded
 from ..runtime.failure import wait
 from ..runtime.init import runtime
 from . import data_parallel
 
-__all__ = ["UnevenInputs", "UnevenInputsError"]
+__all__ = ["UnevenInputs", "UnevenInputsError", "check_can_join", "finish_join"]
 
 
 class UnevenInputs:
@@ -152,3 +154,31 @@ class UnevenInputs:
         return (f"model.join(throw_on_early_termination=True): DP ranks {done} ran out of batches; {what}: "
                 f"{self.training}. Fix: give every replica the same number of batches (e.g. DistributedSampler "
                 f"with drop_last=True), or leave throw_on_early_termination False to train on")
+
+
+def check_can_join(cfg: Any, enable: bool, active: UnevenInputs | None) -> None:
+    """Refuse ``model.join()`` where the protocol cannot run, before the block starts."""
+    if not cfg.ddp:
+        raise DDPNotEnabledError("model.join() needs data parallelism: set ddp: True in the smp config "
+                                 "(SMP v1 raised here too)")
+    if not enable:
+        return
+    if active is not None:
+        raise SMPError("model.join() inside another model.join() block: use one block around the loop")
+    if cfg.shard_optimizer_state and len(runtime().group_ranks[GroupKind.RDP]) > 1:
+        raise SMPError("model.join() with shard_optimizer_state: True: a replica that ran out of batches would "
+                       "miss the optimizer steps of the parameters it owns, so the others would wait for them. "
+                       "Fix: give every replica the same number of batches (DistributedSampler(drop_last=True) "
+                       "over smp.dp_size() replicas), or turn shard_optimizer_state off")
+
+
+def finish_join(model: Any, join: UnevenInputs) -> None:
+    """At the block's end: shadow the replicas still training, then take the longest-trained model."""
+    if not model.partitioned:
+        raise ModelNotPartitionedError("model.join(): this rank ran no step inside the block, so the model was "
+                                       "never partitioned here. Fix: give every replica at least one batch")
+    last = join.drain(model._shadow_step)
+    join.sync_final(last, [*model.local_parameters(), *model.local_buffers()])
+    optimizer = smp_state.current().optimizer
+    if getattr(optimizer, "master_weights", None) is not None:
+        optimizer.reload_model_params()  # fp16/bf16: the masters take the weights every replica now has

@@ -21,14 +21,13 @@ from torch import nn
 
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
-from smp.partition import format_bytes
+from smp.partition import PartitionReport, format_bytes
 from smp.runtime.memory import give_back_freed
 from smp.topology import GroupKind
 
 from ..engine.engine import Engine, current_task
 from ..errors import (
     BwdExecutionNotInStepFnError,
-    DDPNotEnabledError,
     FwdExecutionNotInStepFnError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
@@ -36,11 +35,11 @@ from ..errors import (
 from ..nn.batch import scale_arguments, unscale_outputs
 from ..partitioning.decide import check_saved_partition, decide_partition
 from ..runtime.init import runtime
-from . import data_parallel, precision
+from . import data_parallel, memory, precision
 from . import state_dict as states
 from .dispatch import Dispatch
 from .interface import RecordedStep
-from .join import UnevenInputs
+from .join import UnevenInputs, check_can_join, finish_join
 from .v1_path import install_v1_ddp_path
 
 logger = logging.getLogger("smp")
@@ -108,7 +107,7 @@ class DistributedModel(nn.Module):
         self.cfg = st.cfg
         self._pp_rank = st.rank_map.coord(st.rank).pp_rank if st.rank_map else 0
         self._owner: dict[str, int] = {}
-        self._partition: Any = None  # the manual partition (its report), None when automatic
+        self._report: PartitionReport | None = None  # the partition's report, with each rank's memory estimate
         self._partitioned = False
         self._dispatch: Dispatch | None = None
         self._post_partition_hooks: list[Callable[..., Any]] = []
@@ -314,6 +313,8 @@ class DistributedModel(nn.Module):
                 self._partition_hooks_ran = True
                 for hook in list(self._post_partition_hooks):
                     hook(self, smp_state.current().optimizer)
+            if self._steps == 1:
+                self._log_memory()
             if self._average is not None:
                 self._average.begin()
             if self._join is not None:
@@ -369,31 +370,14 @@ class DistributedModel(nn.Module):
             ...         train_step(model, x, y)
             ...         optimizer.step()
         """
-        if not self.cfg.ddp:
-            raise DDPNotEnabledError("model.join() needs data parallelism: set ddp: True in the smp config "
-                                     "(SMP v1 raised here too)")
+        check_can_join(self.cfg, enable, self._join)
         if not enable:
             yield
             return
-        if self._join is not None:
-            raise SMPError("model.join() inside another model.join() block: use one block around the loop")
-        if self.cfg.shard_optimizer_state and len(runtime().group_ranks[GroupKind.RDP]) > 1:
-            raise SMPError("model.join() with shard_optimizer_state: True: a replica that ran out of batches would "
-                           "miss the optimizer steps of the parameters it owns, so the others would wait for them. "
-                           "Fix: give every replica the same number of batches (DistributedSampler(drop_last=True) "
-                           "over smp.dp_size() replicas), or turn shard_optimizer_state off")
         self._join = UnevenInputs(divide_by_initial_world_size, throw_on_early_termination)
         try:
             yield
-            if not self._partitioned:
-                raise ModelNotPartitionedError(
-                    "model.join(): this rank ran no step inside the block, so the model was never partitioned "
-                    "here. Fix: give every replica at least one batch")
-            last = self._join.drain(self._shadow_step)
-            self._join.sync_final(last, [*self.local_parameters(), *self.local_buffers()])
-            optimizer = smp_state.current().optimizer
-            if getattr(optimizer, "master_weights", None) is not None:
-                optimizer.reload_model_params()  # fp16/bf16: the masters take the weights every replica now has
+            finish_join(self, self._join)
         finally:
             self._join = None
 
@@ -465,14 +449,14 @@ class DistributedModel(nn.Module):
                 logger.info("partition loaded from the checkpoint (not traced or recomputed)")
             self._apply_partition(self._saved_partition, None)
             return
-        assignment, part = decide_partition(self.module, self.cfg, first_microbatch, self._tracing_scope,
-                                            self._take_traced_backward)
-        self._apply_partition(assignment, part)
+        assignment, report = decide_partition(self.module, self.cfg, first_microbatch, self._tracing_scope,
+                                              self._take_traced_backward)
+        self._apply_partition(assignment, report)
 
-    def _apply_partition(self, assignment: dict[str, int], part: Any) -> None:
+    def _apply_partition(self, assignment: dict[str, int], report: PartitionReport | None) -> None:
         st = smp_state.current()
         self._owner = dict(assignment)
-        self._partition = part
+        self._report = report
         local_ids: set[int] = set()
         for path, m in self.module.named_modules():
             if self._is_local(path):
@@ -512,6 +496,31 @@ class DistributedModel(nn.Module):
         for model_sd, strict in self._pending_loads:
             states.load(self, model_sd, strict)
         self._pending_loads.clear()
+
+    # --- memory -------------------------------------------------------------------------------------
+
+    @property
+    def partition_report(self) -> PartitionReport | None:
+        """The partition's report (modules per rank, each rank's memory estimate); None before partitioning
+        or when the partition came from a checkpoint."""
+        return self._report
+
+    def memory_check(self) -> dict[str, dict[str, float]]:
+        """This rank's memory: what it holds (bytes of its parameters, their gradients and the optimizer's
+        state, counted from the tensors' storage) beside the partition report's estimate of them.
+
+        Not a collective. Without a report (a partition loaded from a checkpoint), ``estimate`` is empty.
+
+        Example:
+            >>> model.memory_check()["held"]     # after a step and optimizer.step()  # doctest: +SKIP
+            {'weights': 67108864.0, 'gradients': 67108864.0, 'optimizer': 134217728.0}
+        """
+        self._require_partition()
+        return memory.memory_check(self.module, smp_state.current().optimizer, self._report, self._pp_rank)
+
+    def _log_memory(self) -> None:
+        """Once, at the second step (the optimizer state exists): what this rank holds against the estimate."""
+        memory.log_memory(self.memory_check(), self._pp_rank)
 
     # --- state dicts (state_dict.py) -------------------------------------------------------------
 

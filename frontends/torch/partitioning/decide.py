@@ -16,10 +16,12 @@ from typing import Any
 from torch import nn
 
 import smp.state as smp_state
-from smp.errors import SMPError
+from smp.errors import PartitionMemoryError, SMPError
+from smp.partition import MemoryBudget, PartitionReport, format_bytes
+from smp.partition.report import memory_fixes
 
 from .scopes import manual_scopes
-from .trace import auto_partition, lower, rehome_sequential_stateless, rehome_split_layers, trace
+from .trace import auto_partition, in_flight, lower, rehome_sequential_stateless, rehome_split_layers, trace
 
 __all__ = ["check_saved_partition", "decide_partition"]
 
@@ -41,8 +43,11 @@ def check_saved_partition(module: nn.Module, assignment: dict[str, int],
 def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
                      tracing: Callable[[], AbstractContextManager[Any]],
                      traced_backward: Callable[[], list[tuple[Any, Any]]] | None = None,
-                     ) -> tuple[dict[str, int], Any]:
-    """(assignment, manual partition or None) for ``module``; a collective under auto_partition.
+                     ) -> tuple[dict[str, int], PartitionReport]:
+    """(assignment, partition report) for ``module``; a collective under auto_partition.
+
+    The report (every rank gets it) carries each rank's memory estimate; with ``memory_per_rank``
+    a rank whose estimate exceeds it is a `PartitionMemoryError` on every rank, before any work.
 
     ``first_microbatch`` runs the step body on the first microbatch (for tracing); ``tracing()``
     is the context the model is traced in (``smp.is_tracing()`` is true inside);
@@ -52,10 +57,13 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
     """
     if not cfg.auto_partition:
         scopes = manual_scopes(module, cfg)
-        part = scopes.resolve(lower(module, None))
+        budget = MemoryBudget.build(cfg.pipeline_parallel_degree, in_flight(cfg), cfg.memory_per_rank)
+        part = scopes.resolve(lower(module, None), budget=budget)
         if smp_state.current().rank == 0:
             logger.info("manual partition:\n%s", part.report())
-        return dict(part.assignment), part
+        report = part.report()
+        report.require_fit()  # every rank decides the same: each raises the same error
+        return dict(part.assignment), report
     decision = None
     if smp_state.current().rank == 0:
         from ..model.delayed import has_delayed_params
@@ -70,11 +78,20 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
                 tp = getattr(cfg, "tensor_parallel_degree", 1)
                 tr = trace(module, first_microbatch, backward=traced_backward if tp == 1 else None)
         tree = lower(module, tr)
-        part = auto_partition(tree, cfg)
-        decision = rehome_split_layers(module, rehome_sequential_stateless(module, dict(part.assignment)))
-        logger.info("automatic partition:\n%s", part.report())
+        try:
+            part = auto_partition(tree, cfg)
+            report = part.report()
+            report.require_fit()
+            decision = (rehome_split_layers(module, rehome_sequential_stateless(module, dict(part.assignment))),
+                        report)
+            logger.info("automatic partition:\n%s", report)
+        except PartitionMemoryError as e:  # every rank raises it, not only the one that partitioned
+            decision = str(e) if "memory_per_rank" in str(e) else \
+                f"memory_per_rank={format_bytes(cfg.memory_per_rank)}: {e}\n{memory_fixes()}"
     from ..runtime.comm import WORLD, allgather
 
     decision = allgather(decision, WORLD)[0]
+    if isinstance(decision, str):
+        raise PartitionMemoryError(decision)
     assert decision is not None
-    return decision, None
+    return decision

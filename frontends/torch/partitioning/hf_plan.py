@@ -34,7 +34,6 @@ import fnmatch
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -46,29 +45,20 @@ from torch import nn
 
 from smp.errors import PartitionMemoryError, SMPError
 from smp.partition import ModuleNode, ModuleTree, PartitionReport, TreePartition, format_bytes, partition_tree
+from smp.partition import parse_size as parse_bytes
 from smp.partition.cost import memory_weight_for
 from smp.pipeline.grid import format_grid
 
 __all__ = ["PlanResult", "estimate_tree", "load_config", "main", "plan_hf_model"]
 
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _COLWISE = ("colwise", "packed_colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
 
-
 def parse_size(text: str) -> int:
-    """``"80GiB"`` -> bytes (``GB`` is 10^9, ``GiB`` and a bare ``G`` are 2^30).
-
-    Example:
-        >>> parse_size("80GiB"), parse_size("1.5 GB"), parse_size("512")
-        (85899345920, 1500000000, 512)
-    """
-    m = _SIZE.match(text)
-    unit = (m.group(2) or "").lower() if m else None
-    if m is None or unit not in _UNITS:
+    """``--device-memory`` as bytes (`smp.partition.parse_size`); an unreadable size is an `SMPError`."""
+    size = parse_bytes(text)
+    if size is None:
         raise SMPError(f"--device-memory={text!r}: expected a size such as 80GiB, 80GB or 85899345920")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return size
 
 
 def load_config(spec: str) -> Any:

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp.partition import ModuleNode, ModuleTree, TreePartition, exclusive_compute, partition_tree
+from smp.partition import (
+    ModuleNode,
+    ModuleTree,
+    TreePartition,
+    exclusive_compute,
+    in_flight_by_rank,
+    partition_tree,
+)
 from smp.structure import leaves
 
 logger = logging.getLogger("smp")
@@ -416,7 +423,13 @@ _TOLERANCE = 0.02
 def auto_partition(tree: ModuleTree, cfg: Any) -> TreePartition:
     section = cfg.partition_section()
     return partition_tree(tree, section.num_stages, memory_weight=section.memory_weight,
-                          stage_ranks=section.stage_ranks, tolerance=_TOLERANCE, microbatches=section.microbatches)
+                          stage_ranks=section.stage_ranks, tolerance=_TOLERANCE, microbatches=section.microbatches,
+                          memory_cap_bytes=section.memory_per_rank, in_flight=in_flight(cfg))
+
+
+def in_flight(cfg: Any) -> tuple[int, ...]:
+    """Each rank's microbatches in flight at its peak, for the partition's memory estimate."""
+    return in_flight_by_rank(cfg.pipeline, cfg.pipeline_parallel_degree, cfg.microbatches, cfg.active_microbatches)
 
 
 def rehome_split_layers(root: nn.Module, assignment: dict[str, int]) -> dict[str, int]:

@@ -82,6 +82,7 @@ def test_public_api_snapshot() -> None:
         "CostModel", "MemoryBudget", "ModuleNode", "ModuleTree", "OpEdge", "OpGraph", "OpGroup", "OpNode",
         "OpPartition", "PartitionReport", "PartitionScopes", "PartitionSettings", "RankSummary", "ReportRow",
         "Segment", "Totals", "TreePartition", "WorkItem", "chain_bottleneck", "check_shared_groups",
-        "exclusive_compute", "format_bytes", "format_count", "memory_weight_for", "min_bottleneck", "part_costs",
-        "partition_chain", "partition_op_graph", "partition_tree", "split_under",
+        "exclusive_compute", "format_bytes", "format_count", "in_flight_by_rank", "memory_weight_for",
+        "min_bottleneck", "parse_size", "part_costs", "partition_chain", "partition_op_graph", "partition_tree",
+        "split_under",
     ]

@@ -35,6 +35,7 @@ def _held(model: Any, opt: Any) -> dict[str, Any]:
         "optimizer": _storage_bytes(state),
         "owned": sum(p.numel() * p.element_size() for p in local),
         "owned_names": sorted(n for n, p in model.local_named_parameters()),
+        "check": model.memory_check(),
     }
 
 
@@ -90,6 +91,9 @@ def _llama_tp(layout: dict[str, Any]) -> dict[str, Any]:
 def _check(ranks: list[dict[str, Any]], whole: int, tp: int = 1) -> None:
     for r, got in enumerate(ranks):
         assert got["params"] == got["owned"] > 0, f"rank {r}: holds {got['params']} B of parameters, owns {got['owned']}"
+        held, estimate = got["check"]["held"], got["check"]["estimate"]
+        # The partition report's estimate (fp32 Adam: weights + gradients + 2 moments) is what the rank holds.
+        assert held == {k: estimate[k] for k in held}, f"rank {r}: held {held}, estimated {estimate}"
         assert got["grads"] == got["owned"], f"rank {r}: {got['grads']} B of gradients for {got['owned']} B owned"
         assert got["optimizer"] == 2 * got["owned"], f"rank {r}: Adam state {got['optimizer']} B, 2 x {got['owned']}"
     # The pipeline ranks of one replica (and one TP rank) own disjoint parts that make up the model.
@@ -168,3 +172,47 @@ def test_the_other_ranks_parameters_leave_the_process_after_partitioning() -> No
         dropped = got["built"] - got["partitioned"]
         assert dropped > 0.75 * (64 << 20), f"rank {rank}: resident memory fell by {dropped / 2**20:.0f} MiB " \
                                             f"when the other rank's 64 MiB of parameters were freed"
+
+
+def _over_budget(auto: bool, budget: str) -> str:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": auto, "default_partition": 0,
+              "memory_per_rank": budget, "comm_timeout": 60.0})
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+    model = smp.DistributedModel(net)
+    if not auto:
+        smp.set_partition(net[-1], 1)  # rank 0 keeps five of six layers
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    ran = []
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        ran.append(1)
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    try:
+        train_step(model, torch.randn(8, WIDTH))
+        opt.step()
+    except smp.exceptions.PartitionMemoryError as e:
+        return f"raised after {len(ran)} traced microbatches: {e}"
+    return f"fits: {model.partition_report.ranks}"
+
+
+def test_a_rank_over_memory_per_rank_is_a_clear_error_on_every_rank() -> None:
+    layer = (WIDTH * WIDTH + WIDTH) * 4 * 4  # fp32 weights, gradients and Adam's two moments
+    budget = f"{int(3.5 * layer)}"
+    got = run_cases(2, [("manual", _over_budget, {"auto": False, "budget": budget}),
+                        ("auto", _over_budget, {"auto": True, "budget": budget}),
+                        ("auto, too small", _over_budget, {"auto": True, "budget": str(layer)})], timeout=200)
+    for message in got["manual"]:  # the hand placement puts 5 layers on rank 0: every rank says so, no work ran
+        assert message.startswith("raised after 0 traced microbatches"), message
+        assert "rank 0:" in message and "rank 1:" not in message.split("Fix")[0], message
+        assert all(fix in message for fix in ("pipeline_parallel_degree", "optimize: 'memory'",
+                                               "delayed_parameter_initialization", "set_activation_checkpointing"))
+    assert all(m.startswith("fits") for m in got["auto"]), got["auto"]  # the automatic split keeps 3 + 3
+    for message in got["auto, too small"]:  # no split fits one layer per rank
+        assert "raised" in message and "memory_per_rank" in message, message
