@@ -1,7 +1,8 @@
 """Which variables a rank holds: after partitioning, the storage of the others' variables is released.
 
-Every rank builds the whole model (Keras creates every variable when it first builds the model, and
-the trace that partitions it needs them all), then, once partitioned, keeps only what it owns::
+A pipeline builds its variables as handles without values (`partitioning.trace`) and each rank
+gives values to its own; a model built before its first step (an explicit ``build``) holds every
+value until partitioning. Either way, once partitioned, a rank keeps only what it owns::
 
     built:        [ d1.kernel | d1.bias | d2.kernel | d2.bias ]   on every rank
     pp_rank 0:    [ d1.kernel | d1.bias |    0 B    |   0 B   ]   d2's storage released

@@ -49,6 +49,12 @@ from smp.structure import map_structure
 from .state import tf_state
 from .step_output import StepOutput, TFStepOps
 
+# AutoGraph turns an error raised while it traces the user's @tf.function into its StagingError
+# unless it can rebuild the error's class from a message (not ours: they subclass ValueError & co.).
+# Passed through, smp's errors keep their type around a tf.function train step
+# (``except smp.errors.PartitionMemoryError`` works) and their message, which names the fix.
+SMPError.ag_pass_through = True  # type: ignore[attr-defined]
+
 __all__ = ["StepFunction", "StepFunctionCalledError", "StepOutput", "step"]
 
 logger = logging.getLogger("smp")

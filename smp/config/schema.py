@@ -150,8 +150,8 @@ KEYS: tuple[Key, ...] = (
         "with an error naming the peers.", low=0.001, since="smp"),
     Key("memory_per_rank", (int, str), None, "Memory a rank may use for the model (bytes, or a size such as "
         "`\"12GiB\"`): the partition's per-rank estimate (weights, gradients, optimizer state, in-flight "
-        "activations) must fit, else a clear error at partitioning, before the first step; automatic "
-        "partitioning looks for a split that fits.", nullable=True, since="smp"),
+        "activations; TensorFlow: weights, gradients, Adam's slots) must fit, else a clear error at partitioning, "
+        "on every rank, before the first step; torch's automatic partitioner looks for a split that fits.", nullable=True, since="smp"),
     # --- SMP v2 keys ------------------------------------------------------------------------
     Key("hybrid_shard_degree", _INT, 0, "SMP v2 FSDP hybrid sharding (accepted; smp replicates instead).",
         low=0, since="v2", status="accepted"),

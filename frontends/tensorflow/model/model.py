@@ -5,26 +5,27 @@ Users subclass it as they subclass ``keras.Model`` (SMP v1 TF). ``model(x)`` wor
 ``call()`` and returns the model outputs on every rank. At the first call of each input signature:
 
 1. ``call()`` is traced once at the microbatch's input spec (`partitioning.trace`); the first trace
-   also builds the variables. Every rank builds every variable, then takes pipeline rank 0's
-   values (a broadcast that also checks that every rank built the same variables);
+   also builds the variables, at pp > 1 as handles without values (every rank checks that it built
+   the same variables as pipeline rank 0);
 2. ops are placed (`partitioning.decide`: ``smp.partition`` scopes, or the auto-partitioner),
    variables get owners, the trace is cut into stages (`engine.stages`) and this rank's stages
-   are pruned into functions;
+   are pruned into functions; each rank gives values to its own variables only (the values one
+   process would have: every initializer runs in Keras' order) and releases the others
+   (`residency`); ``memory_per_rank`` is checked against each rank's estimate first (`memory`);
 3. the ``register_post_partition_hook`` functions run (once per model), then the first forward.
 
 Steps 1-3 run eagerly in a short-lived thread (`_in_fresh_thread` says why).
 
 Gradients: ``tape.gradient(loss, model.trainable_variables)`` and
-``optimizer.get_gradients(loss, ...)`` return a tensor for every variable on every rank (zeros for
-the variables another rank owns). After ``optimizer.apply_gradients`` a variable is correct on
-its owner (`DistributedModel.variable_owner`); on the other ranks it keeps its initial value
-under optimizers that do not move a variable on a zero gradient (SGD, Adam), or drifts under
-ones that do (weight decay). It is never read there: those ranks do not run the ops that read it.
+``optimizer.get_gradients(loss, ...)`` return a tensor for every variable on every rank (an empty
+zero for the variables another rank owns). After ``optimizer.apply_gradients`` a variable is correct
+on its owner (`DistributedModel.variable_owner`); the other ranks hold no value for it and run no op
+that reads it; the optimizer keeps slots for, and steps, this rank's variables only.
 
 Data parallelism (``horovod: True`` or ``ddp: True`` with more than one replica): the gradients
 are already averaged over the DP group when the step returns them (`engine.stages.StagePlan.function`
 averages each stage's variable reads, one bucketed allreduce per stage and microbatch); each
-rank's loss stays its own replica's. The replicas start from world rank 0's initial values.
+rank's loss stays its own replica's. The replicas of a stage start from DP rank 0's values.
 
 Saving: `DistributedModel.save_model` writes the unpartitioned model (SMP v1), which plain
 TensorFlow loads without smp; ``smp.CheckpointManager`` saves each stage's variables, and its
@@ -72,6 +73,7 @@ from ..partitioning.decide import decide, placement_table
 from ..partitioning.trace import initialize_deferred, input_signature, trace_call
 from ..residency import release
 from ..state import TFState, tf_state
+from . import memory
 from .hooks import note_model_constructed, run_post_partition_hooks
 
 __all__ = ["DistributedModel"]
@@ -129,6 +131,19 @@ class DistributedModel(keras.Model):
     def is_local_variable(self, variable: Any) -> bool:
         """Whether this rank owns ``variable`` (so its value here is the trained one)."""
         return self.variable_owner(variable) == self._smp.pp_rank
+
+    def memory_check(self, optimizer: Any = None) -> dict[str, dict[str, float]]:
+        """This rank's memory: the bytes it holds in variables (and in ``optimizer``'s slots), beside the
+        placement's estimate of its weights, gradients and optimizer state (`memory`). Not a collective.
+
+        Example:
+            >>> model.memory_check(optimizer)["held"]   # after the first step  # doctest: +SKIP
+            {'weights': 16777216.0, 'optimizer': 33554440.0}
+        """
+        if self._smp.owners is None:
+            raise SMPError("memory_check() before the first step: the model is partitioned by its first call")
+        pp_size = len(current_link().ranks)
+        return memory.memory_check(self, optimizer, self._smp.owners, self._smp.pp_rank, pp_size)
 
     @property
     def step_actions(self) -> list[list[tuple[int, str, int]]]:
@@ -279,6 +294,8 @@ class DistributedModel(keras.Model):
                            is_root=link.pp_rank == 0)
         self._smp.owners = placement.owners
         if first:
+            if pp_size > 1:  # every rank agreed on the placement, so every rank raises alike
+                memory.require_fit(memory.estimates(self.variables, placement.owners, pp_size), cfg.memory_per_rank)
             mine = {id(v) for i, v in enumerate(self.variables) if placement.owners.get(i, 0) == link.pp_rank}
             initialize_deferred(traced.deferred, lambda v: id(v) in mine)
             if world > pp_size:  # the replicas of this stage start alike: dp rank 0's values

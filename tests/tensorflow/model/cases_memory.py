@@ -9,15 +9,20 @@ import numpy as np
 WIDTH, DEPTH, BATCH, MICROBATCHES = 64, 6, 8, 2
 
 
-def held_share(pp: int, replicas: int, api: str, auto: bool) -> dict[str, Any]:
-    """One Adam step of a deep MLP; what this rank holds, counted from the variables' storage."""
+def held_share(pp: int, replicas: int, api: str, auto: bool, budget: int | None = None) -> dict[str, Any]:
+    """One Adam step of a deep MLP; what this rank holds, counted from the variables' storage. With
+    ``budget`` (``memory_per_rank``) too small: the error this rank raised, and whether any variable
+    had a value by then."""
     import keras
     import smp.tensorflow as smp
     import tensorflow as tf
     from smp.tensorflow.residency import held_bytes, is_released
 
+    from smp.errors import PartitionMemoryError
+
     smp.init({"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES, "horovod": replicas > 1,
-              "auto_partition": auto, "default_partition": 0})
+              "auto_partition": auto, "default_partition": 0,
+              **({"memory_per_rank": budget} if budget is not None else {})})
 
     class Deep(smp.DistributedModel):
         def __init__(self) -> None:
@@ -53,6 +58,12 @@ def held_share(pp: int, replicas: int, api: str, auto: bool) -> dict[str, Any]:
 
     x = np.random.default_rng(smp.dp_rank()).standard_normal((BATCH, WIDTH)).astype(np.float32)
     losses, sizes = [], []
+    if budget is not None:
+        try:
+            train_step(x)
+        except PartitionMemoryError as e:
+            return {"error": str(e), "held": held_bytes(model.variables)}
+        return {"error": None}
     for _ in range(2):
         loss, grad_sizes = train_step(x)
         losses.append(float(loss))
@@ -68,6 +79,6 @@ def held_share(pp: int, replicas: int, api: str, auto: bool) -> dict[str, Any]:
         "slots": held_bytes(slots), "slot_count": len(slots),
         "trainable_owned_bytes": sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                                      for v, o in zip(model.trainable_variables, trainable_owned) if o),
-        "grad_sizes": sizes, "trainable_owned": trainable_owned,
+        "check": model.memory_check(opt), "grad_sizes": sizes, "trainable_owned": trainable_owned,
         "trainable_sizes": [int(np.prod(v.shape)) for v in model.trainable_variables],
     }
