@@ -29,7 +29,7 @@ Run::
     .venv/bin/python benchmarks/bench_memory.py                      # everything (about 30 minutes)
     .venv/bin/python benchmarks/bench_memory.py --models mlp --pp 2 --launches 1 --no-limit   # quick look
 
-The rows are saved as ``benchmarks/results/memory.json`` (`records`).
+The rows and tables are saved as ``benchmarks/results/bench_memory.json`` (`records`).
 """
 
 from __future__ import annotations
@@ -334,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     frontends = args.frontends.split(",")
     degrees = [int(x) for x in args.pp.split(",")]
     rows: list[dict[str, Any]] = []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    marginal = Table(f"Marginal memory per rank as a share of one process (peak, steady in brackets; median of "
+                     f"{args.launches} launches; ideal 1/pp)",
+                     ["frontend", "model", "layers", "pp", "one process", "per rank"])
+    limited = Table(f"The most Linear / Dense(2048) layers that train (Adam) with every process under a "
+                    f"{args.limit_mib} MiB data limit", ["frontend", "one process", *[f"pp {d}" for d in degrees if d > 1]])
     print(f"marginal growth per rank of {{2L}} minus {{L}} layers, as a share of one process (median of "
           f"{args.launches} launches; ideal 1/pp)\n")
     print(f"{'frontend':<11}{'model':<7}{'layers':>8}{'pp':>4}  {'one process':>12}  per rank: peak share "
@@ -351,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 shares = [((got[large][r]["peak"] - got[small][r]["peak"]) / base_peak,
                            (got[large][r]["steady"] - got[small][r]["steady"]) / base_steady) for r in range(pp)]
                 cells = "  ".join(f"{a:.2f} ({b:.2f})" for a, b in shares)
+                marginal.add(frontend, model_name, f"{small} -> {large}", pp, f"{base_peak / MiB:.0f} MiB", cells)
                 print(f"{frontend:<11}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
                       f"{cells}", flush=True)
                 rows.append({"kind": "marginal", "frontend": frontend, "model": model_name, "layers": [small, large],
@@ -369,14 +378,24 @@ def main(argv: list[str] | None = None) -> None:
             for pp in [d for d in degrees if d > 1]:
                 found[pp] = largest(frontend, pp, limit, one * pp // 2 or pp)
             cells = "  ".join(f"pp {pp}: {n} ({n / one:.1f}x)" for pp, n in found.items() if pp)
+            limited.add(frontend, one, *[f"{n} ({n / one:.1f}x)" for pp, n in found.items() if pp])
             print(f"{frontend:<11} one process: {one}  {cells}", flush=True)
             rows.append({"kind": "largest", "frontend": frontend, "limit_mib": args.limit_mib,
                          "layers": {str(pp): n for pp, n in found.items()}})
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from records import write_record
-
-    path = write_record("memory", rows, settings={"launches": args.launches, "steps": STEPS,
-                                                   "microbatches": args.microbatches, "width": WIDTH, "layers": LAYERS})
+    headline = []
+    for row in rows:
+        if row["kind"] == "marginal" and row["model"] == "mlp" and row["pp"] in (2, 4):
+            headline.append({"what": f"{row['frontend']} deep MLP, memory per rank at pp {row['pp']} / one process "
+                                     "(marginal peak, worst rank)", "value": f"{max(row['peak_share']):.2f}x"})
+        if row["kind"] == "largest":
+            sizes = row["layers"]
+            headline.append({"what": f"{row['frontend']}: layers trainable under {row['limit_mib']} MiB per process, "
+                                     "one process / pp " + " / pp ".join(k for k in sizes if k != "0"),
+                             "value": " / ".join(str(v) for v in sizes.values())})
+    path = write_record("bench_memory", rows, settings={"launches": args.launches, "steps": STEPS,
+                                                        "microbatches": args.microbatches, "width": WIDTH,
+                                                        "layers": LAYERS},
+                        tables=[marginal, *([limited] if limited.rows else [])], headline=headline)
     print(f"\nrecord: {os.path.relpath(path, ROOT)}")
 
 

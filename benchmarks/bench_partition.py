@@ -251,6 +251,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(markdown(rows))
         print(f"\n({time.perf_counter() - start:.1f} s)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    names = [*METHODS, "smp tree"]
+    table = Table("Max stage / optimal: mean / worst / cases worse than optimal", ["data", *names])
+    for label, ratios in rows:
+        table.add(label, *[summarise(ratios[n]) if ratios.get(n) else "-" for n in names])
+    chains = dict(rows)[rows[0][0]]
+    worse = {n: sum(r > 1 + 1e-9 for r in chains[n]) for n in METHODS}
+    others = ", ".join(f"{n} {k}" for n, k in worse.items() if n != "smp")
+    write_record("bench_partition", [{"data": label, "ratios": ratios} for label, ratios in rows],
+                 settings={"chains": args.chains, "seed": args.seed, "models": list(args.models)}, tables=[table],
+                 headline=[{"what": f"partitioner on {args.chains} random chains: cases worse than the optimum",
+                            "value": f"smp {worse.get('smp', 0)}; {others}"}])
     return 0
 
 

@@ -19,7 +19,10 @@ This script may import torch; the library it measures (smp.pipeline) never does.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from typing import Any
 
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
@@ -64,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="p in {2, 4} only")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     started = time.perf_counter()
     ranks = (2, 4) if args.quick else (2, 4, 8, 16)
     header = [
@@ -135,11 +139,26 @@ def main() -> None:
     for label, note in notes.items():
         print(f"- torch {label}: {note}")
     print()
-    memory_table(ranks)
+    peaks = memory_table(ranks)
     print(f"\n({time.perf_counter() - started:.1f} s)")
+    from records import Table, write_record
+
+    bubbles = Table("Bubble fraction, simulated (smp's plans beside torch.distributed.pipelining's)", header)
+    for row in rows:
+        bubbles.add(*row)
+    facts = Table("Per-rank order and torch's plans", ["check", "result"])
+    for key, count in identical.items():
+        facts.add(f"same per-rank order: {key}", f"{count}/{total} configurations")
+    for label, note in notes.items():
+        facts.add(f"torch {label}", note)
+    write_record("bench_schedules", [dict(zip(header, row)) for row in rows], settings={"ranks": list(ranks)},
+                 tables=[bubbles, facts, peaks],
+                 headline=[{"what": "schedules: smp's interleaved_1f1b / zb_h1 / zb_v order equals torch's "
+                                    "Interleaved1F1B / InterleavedZB / ZBV",
+                            "value": " / ".join(f"{c}/{total}" for c in identical.values())}])
 
 
-def memory_table(ranks: tuple[int, ...]) -> None:
+def memory_table(ranks: tuple[int, ...]) -> Any:
     """Peak activations (most on any rank, in units of one microbatch through a rank's share)."""
     cases = [
         ("gpipe", {}, UNIT, ("GPipe", None, False)),
@@ -150,7 +169,12 @@ def memory_table(ranks: tuple[int, ...]) -> None:
         ("zb_h1", {"virtual_stages": 2}, HALF, ("InterleavedZeroBubble", 2, False)),
         ("zb_v", {}, HALF, ("ZBVZeroBubble", 2, True)),
     ]
-    print("| p | m | " + " | ".join(f"{n}{' v=2' if kw else ''}" for n, kw, _, _ in cases) + " |")
+    from records import Table
+
+    names = [f"{n}{' v=2' if kw else ''}" for n, kw, _, _ in cases]
+    table = Table("Peak activations, in microbatches through a rank's share (ours / torch's plan, where torch "
+                  "has the schedule)", ["p", "m", *names])
+    print("| p | m | " + " | ".join(names) + " |")
     print("|" + "|".join("---:" for _ in range(len(cases) + 2)) + "|")
     for p in ranks:
         m = 4 * p
@@ -165,7 +189,9 @@ def memory_table(ranks: tuple[int, ...]) -> None:
                 cell += " / " + (f"{max(simulate(plan, costs, validate=False).peak_activation_bytes):g}" if not check_plan(plan) else "invalid")
             cells.append(cell)
         print(f"| {p} | {m} | " + " | ".join(cells) + " |")
+        table.add(p, m, *cells)
     print("\n(ours / torch's plan, where torch has the schedule)")
+    return table
 
 
 if __name__ == "__main__":

@@ -121,6 +121,13 @@ def main() -> int:
           "vocab=32768, heads=8, kv heads=4, Mixtral 8 experts); real gloo ranks, models on the meta device\n")
     print(f"{'model':<9}{'tp':>3}{'sharded MiB':>13}{'replicated MiB':>16}{'total MiB':>11}{'of dense':>10}"
           f"{'sharded x tp / dense sharded':>30}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    table = Table(f"Per-rank parameter memory after smp.torch.transform (fp32; hidden {a.hidden}, {a.layers} layers, "
+                  "vocabulary 32768)", ["model", "tp", "sharded MiB", "replicated MiB", "total MiB", "of dense",
+                                        "sharded x tp / dense sharded"])
+    rows, shares = [], []
     for kind in KINDS:
         for tp, ranks in runs.items():
             r = ranks[0][kind]
@@ -131,9 +138,19 @@ def main() -> int:
             assert exact == 1.0
             print(f"{kind:<9}{tp:>3}{r['sharded'] / MiB:>13.2f}{r['replicated'] / MiB:>16.3f}{total / MiB:>11.2f}"
                   f"{total / r['dense']:>10.1%}{exact:>30.6f}")
+            table.add(kind, tp, f"{r['sharded'] / MiB:.2f}", f"{r['replicated'] / MiB:.3f}", f"{total / MiB:.2f}",
+                      f"{total / r['dense']:.1%}", f"{exact:.6f}")
+            rows.append({"model": kind, "tp": tp, **r})
+            if tp > 1:
+                shares.append(f"{kind} tp {tp}: {total / r['dense']:.1%}")
     print("\nchecked on every rank: each sharded parameter is exactly 1/tp of its full tensor, the sharded part "
           "is exactly 1/tp of the dense model's same parameters, replicated parameters keep their full size"
           f"  ({time.perf_counter() - t0:.1f} s)")
+    write_record("bench_tp_memory", rows, settings={"hidden": a.hidden, "layers": a.layers, "tp": a.tp},
+                 tables=[table], headline=[{"what": "tensor parallelism: parameter bytes per rank / dense model "
+                                                    "(HF Llama, tp 2 / tp 4)",
+                                            "value": " / ".join(x.split(": ")[1] for x in shares
+                                                                if x.startswith("llama"))}])
     return 0
 
 

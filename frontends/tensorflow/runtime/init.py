@@ -353,6 +353,7 @@ def runtime() -> TFRuntime:
 
 
 def is_initialized() -> bool:
+    """Whether ``smp.init`` has run in this process (and ``smp.reset`` has not undone it)."""
     return isinstance(smp_state.current().runtime, TFRuntime)
 
 

@@ -81,26 +81,32 @@ def _process_group(kind: GroupKind, needs_ddp: bool = True) -> Any:
 
 
 def get_world_process_group() -> Any:
+    """The ``torch.distributed`` process group of every rank (SMP v1 ``smp.get_world_process_group``)."""
     return _process_group(GroupKind.WORLD)
 
 
 def get_pp_process_group() -> Any:
+    """The ``torch.distributed`` process group of this rank's pipeline (PP) group: the ranks that hold one copy of the model's partitions (SMP v1 ``smp.get_pp_process_group``)."""
     return _process_group(GroupKind.PP)
 
 
 def get_tp_process_group() -> Any:
+    """The ``torch.distributed`` process group of this rank's tensor-parallel (TP) group (SMP v1 ``smp.get_tp_process_group``)."""
     return _process_group(GroupKind.TP)
 
 
 def get_rdp_process_group() -> Any:
+    """The ``torch.distributed`` process group of this rank's reduced data-parallel (RDP) group: the replicas of this rank's TP shard (SMP v1 ``smp.get_rdp_process_group``)."""
     return _process_group(GroupKind.RDP)
 
 
 def get_dp_process_group() -> Any:
+    """The ``torch.distributed`` process group of this rank's data-parallel (DP) group: the replicas of this rank's model part (SMP v1 ``smp.get_dp_process_group``)."""
     return _process_group(GroupKind.DP)
 
 
 def get_mp_process_group() -> Any:
+    """The ``torch.distributed`` process group of this rank's model-parallel (MP) group: every rank holding a part of one model copy (PP x TP) (SMP v1 ``smp.get_mp_process_group``)."""
     return _process_group(GroupKind.MP, needs_ddp=False)
 
 
@@ -202,20 +208,25 @@ def barrier(group: CommGroup = CommGroup.WORLD) -> None:
 
 
 def pp_barrier() -> None:
+    """Wait until every rank of this rank's pipeline (PP) group: the ranks that hold one copy of the model's partitions gets here (SMP v1 ``smp.pp_barrier``)."""
     barrier(CommGroup.PP_GROUP)
 
 
 def tp_barrier() -> None:
+    """Wait until every rank of this rank's tensor-parallel (TP) group gets here (SMP v1 ``smp.tp_barrier``)."""
     barrier(CommGroup.TP_GROUP)
 
 
 def dp_barrier() -> None:
+    """Wait until every rank of this rank's data-parallel (DP) group: the replicas of this rank's model part gets here (SMP v1 ``smp.dp_barrier``)."""
     barrier(CommGroup.DP_GROUP)
 
 
 def rdp_barrier() -> None:
+    """Wait until every rank of this rank's reduced data-parallel (RDP) group: the replicas of this rank's TP shard gets here (SMP v1 ``smp.rdp_barrier``)."""
     barrier(CommGroup.RDP_GROUP)
 
 
 def mp_barrier() -> None:
+    """Wait until every rank of this rank's model-parallel (MP) group: every rank holding a part of one model copy (PP x TP) gets here (SMP v1 ``smp.mp_barrier``)."""
     barrier(CommGroup.MP_GROUP)

@@ -232,6 +232,7 @@ def runtime() -> TorchRuntime:
 
 
 def is_initialized() -> bool:
+    """Whether ``smp.init`` has run in this process (and ``smp.reset`` has not undone it)."""
     return isinstance(smp_state.current().runtime, TorchRuntime)
 
 
