@@ -83,11 +83,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    print(f"HF LlamaForCausalLM: {args.layers} layers, width {args.hidden}, vocab 4096, AdamW; "
-          f"optimizer state per rank (the largest rank), unsharded -> sharded")
-    print("| layout | state unsharded | state sharded (share) | fp32 masters unsharded -> sharded | 1/rdp | "
-          "step time sharded / unsharded | losses and weights identical |")
-    print("|---|---|---|---|---|---|---|")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    table = Table(f"HF LlamaForCausalLM: {args.layers} layers, width {args.hidden}, vocab 4096, AdamW; "
+                  f"optimizer state per rank (the largest rank), unsharded -> sharded",
+                  ["layout", "state unsharded", "state sharded (share)", "fp32 masters unsharded -> sharded", "1/rdp",
+                   "step time sharded / unsharded", "losses and weights identical"])
+    print(table.title)
+    print(table.markdown())
+    rows: list[dict[str, Any]] = []
     for name, world, cfg in LAYOUTS:
         ranks = run_ranks(_run, world, args=(cfg, args.layers, args.hidden, args.steps),
                           env={"OMP_NUM_THREADS": "1"}, timeout=900)
@@ -99,10 +104,33 @@ def main() -> None:
         m_part = max(r[True]["bytes"]["masters"] for r in ranks)
         same = all(r[True]["losses"] == r[False]["losses"] and all(
             bool((r[True]["params"][n] == v).all()) for n, v in r[False]["params"].items()) for r in ranks)
-        ratio = statistics.median(r[True]["time"] / r[False]["time"] for r in ranks)
+        ratios = [r[True]["time"] / r[False]["time"] for r in ranks]
+        ratio = statistics.median(ratios)
         masters = f"{m_whole / MiB:.2f} -> {m_part / MiB:.2f} MiB" if m_whole else "-"
-        print(f"| {name} | {whole / MiB:.2f} MiB | {part / MiB:.2f} MiB ({part / whole:.3f}) | {masters} | "
-              f"{1 / rdp:.3f} | {ratio:.2f} | {'yes' if same else 'NO'} |", flush=True)
+        table.add(name, f"{whole / MiB:.2f} MiB", f"{part / MiB:.2f} MiB ({part / whole:.3f})", masters,
+                  f"{1 / rdp:.3f}", f"{ratio:.2f}", "yes" if same else "NO")
+        print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+        rows.append({"layout": name, "world": world, "rdp": rdp, "config": cfg,
+                     "state_bytes": {"unsharded": whole, "sharded": part}, "share": part / whole,
+                     "masters_bytes": {"unsharded": m_whole, "sharded": m_part}, "target_share": 1 / rdp,
+                     "step_time_ratio": ratio, "step_time_ratio_per_rank": ratios,
+                     "step_time_s_per_rank": {"unsharded": [r[False]["time"] for r in ranks],
+                                              "sharded": [r[True]["time"] for r in ranks]},
+                     "identical": same})
+    by = {row["layout"]: row for row in rows}
+    ratios = [row["step_time_ratio"] for row in rows]
+    headline = [{"what": "HF Llama AdamW optimizer state per rank (largest rank), shard_optimizer_state / unsharded, "
+                         "pp1 x rdp2 / pp1 x rdp4 (targets 0.500 / 0.250)",
+                 "value": f"{by['pp1 x rdp2']['share']:.3f}x / {by['pp1 x rdp4']['share']:.3f}x"},
+                {"what": "HF Llama AdamW step time, shard_optimizer_state / unsharded (median of ranks, per layout; "
+                         "noisy on 2 cores)",
+                 "value": f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, "
+                          f"{len(ratios)} layouts)"}]
+    path = write_record("bench_optimizer_state", rows,
+                        settings={**vars(args), "vocab": 4096, "heads": 8, "kv_heads": 4, "batch": [4, 64],
+                                  "microbatches": 2, "layouts": [[n, w, c] for n, w, c in LAYOUTS]},
+                        tables=[table], headline=headline)
+    print(f"\nrecord: {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

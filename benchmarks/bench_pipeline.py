@@ -62,6 +62,9 @@ from examples.gpt_model import GPT, gpt, lm_loss  # noqa: E402
 from smp.runtime.launch import detect  # noqa: E402
 from tests.helpers.spawn import run_ranks  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from records import Table, write_record  # noqa: E402
+
 M, MB, SEQ, VOCAB, LAYERS, WIDTH = 8, 2, 128, 4096, 8, 256
 CUT = LAYERS // 2  # the first layer on rank 1
 
@@ -397,7 +400,8 @@ def _chain(chain: list[int]) -> str:
     return "-".join(map(str, chain)) if len(chain) <= 9 else f"len {len(chain)}"
 
 
-def bench(name: str, steps: int, warmup: int) -> None:
+def bench(name: str, steps: int, warmup: int) -> tuple[Table, list[dict[str, Any]]]:
+    """Run and print the table of ``name``; returns it and its measurements (for the record)."""
     env = {"OMP_NUM_THREADS": "1"}
     one = statistics.median(single(name, steps, warmup))
     t0, t1 = stage_times(name, steps, warmup)
@@ -419,9 +423,11 @@ def bench(name: str, steps: int, warmup: int) -> None:
     # balance; the V with compute balance alone is what a user who asks for speed only would run.
     launches.append(("smp (auto, memory_weight 0)", ours, (name, "zb_v", "auto", steps, warmup),
                      {"config": {"memory_weight": 0.0}}, env))
+    steps_of = []  # per launch: the slower rank's time of each step
     for label, fn, args, kwargs, launch_env in launches:
         out = run_ranks(fn, 2, args=args, kwargs=kwargs, env=launch_env, timeout=900)
-        t = statistics.median(max(ts) for ts in zip(*(o["times"] for o in out)))
+        steps_of.append([max(ts) for ts in zip(*(o["times"] for o in out))])
+        t = statistics.median(steps_of[-1])
         rank1 = out[0].get("rank1", MODELS[name][4])
         rows.append((label, args[1], t, rank1, _chain(out[0]["chain"]) if "chain" in out[0] else "-"))
     p = 2
@@ -434,12 +440,19 @@ def bench(name: str, steps: int, warmup: int) -> None:
     print(f"one microbatch through torch's stage 0 / stage 1 alone (forward + backward, one process): "
           f"{t0 * 1e3:.1f} / {t1 * 1e3:.1f} ms; floor of this cut for a 2-stage pipeline that does not split "
           f"backward, m * max + min = {floor * 1e3:.0f} ms\n")
-    print("| engine | schedule | ms/step (median) | / best torch | / floor of the cut | / 1F1B limit "
-          "| speedup vs 1 process | on rank 1 | chain |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table = Table(f"model {name}", ["engine", "schedule", "ms/step (median)", "/ best torch", "/ floor of the cut",
+                                    "/ 1F1B limit", "speedup vs 1 process", "on rank 1", "chain"])
+    print(table.markdown())
     for label, sched, t, rank1, chain in rows:
-        print(f"| {label} | {sched} | {t * 1e3:.1f} | {t / best_theirs:.4f} | {t / floor:.3f} | {t / limit:.3f} "
-              f"| {one / t:.2f}x | {rank1} | {chain} |", flush=True)
+        table.add(label, sched, f"{t * 1e3:.1f}", f"{t / best_theirs:.4f}", f"{t / floor:.3f}", f"{t / limit:.3f}",
+                  f"{one / t:.2f}x", rank1, chain)
+        print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+    record = [{"kind": "model", "model": name, "single_ms": one * 1e3, "limit_ms": limit * 1e3,
+               "stage_ms": [t0 * 1e3, t1 * 1e3], "floor_ms": floor * 1e3, "best_torch_ms": best_theirs * 1e3}]
+    record += [{"kind": "step", "model": name, "engine": label, "schedule": sched, "median_ms": t * 1e3,
+                "step_ms": [x * 1e3 for x in times], "on_rank1": rank1, "chain": chain}
+               for (label, sched, t, rank1, chain), times in zip(rows, steps_of)]
+    return table, record
 
 
 _HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
@@ -534,14 +547,19 @@ def call_cost(read: bool, calls: int = 200) -> float:
     return min(times[1:]) / calls
 
 
-def latency() -> None:
-    print("\nengine cost per cross-rank call (2 ranks, idle machine, (2, 4) float tensor, forward only)\n")
-    print("| the caller ... | us per call |")
-    print("|---|---|")
+def latency() -> tuple[Table, list[dict[str, Any]]]:
+    table = Table("engine cost per cross-rank call (2 ranks, idle machine, (2, 4) float tensor, forward only)",
+                  ["the caller ...", "us per call"])
+    print(f"\n{table.title}\n")
+    print(table.markdown())
+    rows = []
     for read, what in ((False, "passes each output on to the next call (a reference round trip)"),
                        (True, "gives each output to a module of its own (the value comes back with the reply)")):
         out = run_ranks(call_cost, 2, args=(read,), env={"OMP_NUM_THREADS": "1"}, timeout=300)
-        print(f"| {what} | {out[0] * 1e6:.0f} |", flush=True)
+        table.add(what, f"{out[0] * 1e6:.0f}")
+        print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+        rows.append({"kind": "latency", "read": read, "us_per_call": out[0] * 1e6})
+    return table, rows
 
 
 def threads(name: str, steps: int, warmup: int) -> None:
@@ -614,8 +632,11 @@ def main() -> None:
     if args.model == "paired":
         paired(args.on, args.row or ["torch:1f1b", "auto:zb_v"], args.rounds, args.steps, args.warmup)
         return
+    tables, rows = [], []
     if args.model in ("all", "latency"):
-        latency()
+        table, got = latency()
+        tables.append(table)
+        rows += got
     if args.model == "threads":
         threads("hf-llama", args.steps, args.warmup)
         return
@@ -623,7 +644,28 @@ def main() -> None:
         split_cost("hf-llama", args.steps, args.warmup)
         return
     for name in MODELS if args.model == "all" else [] if args.model == "latency" else [args.model]:
-        bench(name, args.steps, args.warmup)
+        table, got = bench(name, args.steps, args.warmup)
+        tables.append(table)
+        rows += got
+    if args.model != "all":  # a part of the tables: no record
+        return
+    # smp's defaults (auto_partition, pipeline "interleaved") against the best of torch's four launches
+    headline = []
+    for name, what in (("sequential", "GPT as nn.Sequential"), ("modulelist", "GPT with a ModuleList loop"),
+                       ("hf-llama", "HF Llama")):
+        best = next(r for r in rows if r["kind"] == "model" and r["model"] == name)["best_torch_ms"]
+        row = next(r for r in rows if r["kind"] == "step" and r["model"] == name and r["engine"] == "smp (auto)"
+                   and r["schedule"] == "interleaved")
+        headline.append({"what": f"{what} step time, smp defaults (auto partition, interleaved) / best "
+                                 "torch.distributed.pipelining, 2 CPU ranks",
+                         "value": f"{row['median_ms'] / best:.2f}x ({min(row['step_ms']) / best:.2f}-"
+                                  f"{max(row['step_ms']) / best:.2f} over smp's {len(row['step_ms'])} steps, "
+                                  "one launch each)"})
+    path = write_record("bench_pipeline", rows, settings={**vars(args), "microbatches": M, "microbatch_size": MB,
+                                                          "seq": SEQ, "vocab": VOCAB, "layers": LAYERS,
+                                                          "width": WIDTH, "cut": CUT},
+                        tables=tables, headline=headline)
+    print(f"\nrecord: {os.path.relpath(path, ROOT)}")
 
 
 if __name__ == "__main__":

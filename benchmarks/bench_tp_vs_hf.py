@@ -121,8 +121,10 @@ def main() -> int:
     smp_step = _stepper(smp_model, ids)
     try:
         hf_model = _load_hf(path)
-        say(f"parameters per rank: smp {_local_mib(smp_model):.2f} MiB, HF {_local_mib(hf_model):.2f} MiB "
-            f"(unsharded {sum(p.numel() * 4 for p in hf_model.parameters()) / 2**20:.2f} MiB)")
+        mib = {"smp": _local_mib(smp_model), "hf": _local_mib(hf_model),
+               "unsharded": sum(p.numel() * 4 for p in hf_model.parameters()) / 2**20}
+        say(f"parameters per rank: smp {mib['smp']:.2f} MiB, HF {mib['hf']:.2f} MiB "
+            f"(unsharded {mib['unsharded']:.2f} MiB)")
         hf_step = _stepper(hf_model, ids)
         hf_step_loss = hf_step  # first call is part of the check below
         first_hf = hf_step_loss()
@@ -144,20 +146,45 @@ def main() -> int:
             losses[name].append(loss)
             if i >= 2:  # warm-up: the first 3 steps of each
                 times[name].append(dt)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    loss_table = Table("loss at each step (the first 5 and the last), smp against HF",
+                       ["step", "smp loss", "HF loss", "|diff|"])
     ok = True
     say(f"\n{'step':>4}  {'smp loss':>12}  {'HF loss':>12}  {'|diff|':>9}")
     for i, (ls, lh) in enumerate(zip(losses["smp"], losses["hf"])):
         diff = abs(ls - lh)
         ok &= diff <= 1e-4 * max(1.0, abs(lh))
         if i < 5 or i == len(losses["smp"]) - 1:
+            loss_table.add(i, f"{ls:.6f}", f"{lh:.6f}", f"{diff:.2e}")
             say(f"{i:>4}  {ls:>12.6f}  {lh:>12.6f}  {diff:>9.2e}")
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     spread = {k: (min(v) * 1e3, max(v) * 1e3) for k, v in times.items()}
+    time_table = Table(f"step time, tp={dist.get_world_size()}, {a.steps} timed steps each",
+                       ["", "median ms", "min ms", "max ms"])
     say(f"\n{'':<22}{'median ms':>10}{'min ms':>9}{'max ms':>9}")
-    say(f"{'smp tp=2 (transform)':<22}{med['smp']:>10.1f}{spread['smp'][0]:>9.1f}{spread['smp'][1]:>9.1f}")
-    say(f"{'HF tp_plan=auto':<22}{med['hf']:>10.1f}{spread['hf'][0]:>9.1f}{spread['hf'][1]:>9.1f}")
+    for key, label in (("smp", "smp tp=2 (transform)"), ("hf", "HF tp_plan=auto")):
+        time_table.add(label, f"{med[key]:.1f}", f"{spread[key][0]:.1f}", f"{spread[key][1]:.1f}")
+        say(f"{label:<22}{med[key]:>10.1f}{spread[key][0]:>9.1f}{spread[key][1]:>9.1f}")
     say(f"ratio smp/HF (median step time): {med['smp'] / med['hf']:.2f}  over {a.steps} timed steps each")
     say(f"same loss at every step (rel 1e-4): {'yes' if ok else 'NO'}")
+    if rank == 0 and ok:  # a run whose losses differ is a failure, not a result
+        paired = sorted(s / h for s, h in zip(times["smp"], times["hf"]))  # step i of each ran back to back
+        q1, _, q3 = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
+        rows = [{"engine": key, "median_ms": med[key], "min_ms": spread[key][0], "max_ms": spread[key][1],
+                 "step_ms": [t * 1e3 for t in times[key]], "losses": losses[key], "params_mib_per_rank": mib[key]}
+                for key in ("smp", "hf")]
+        headline = [{"what": f"Llama step time, smp tp={dist.get_world_size()} (transform) / transformers "
+                             f"tp_plan='auto', {dist.get_world_size()} CPU ranks (gloo)",
+                     "value": f"{med['smp'] / med['hf']:.2f}x ({q1:.2f}-{q3:.2f} interquartile per-step ratio, "
+                              f"{a.steps} steps)"}]
+        path = write_record("bench_tp_vs_hf", rows,
+                            settings={**vars(a), "world_size": dist.get_world_size(), "vocab": 2048, "heads": 8,
+                                      "kv_heads": 4, "intermediate": 2 * a.hidden, "warmup": 3,
+                                      "unsharded_mib": mib["unsharded"]},
+                            tables=[loss_table, time_table], headline=headline)
+        say(f"\nrecord: {os.path.relpath(path)}")
     dist.destroy_process_group()
     return 0 if ok else 1
 

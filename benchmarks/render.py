@@ -42,7 +42,7 @@ def load_records() -> dict[str, dict[str, Any]]:
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+    return ["| " + " | ".join(c.replace("|", "\\|") for c in columns) + " |", "|" + "---|" * len(columns),
             *("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows)]
 
 

@@ -236,6 +236,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="every row is launched once per round; a row's figure is its median over the rounds")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Table, write_record
+
+    tables, records, headline = [], [], []
     for mb in args.rows:
         rounds = [_rows(mb, args.steps, args.warmup) for _ in range(args.rounds)]
         rows = [(label, statistics.median(r[i][1] for r in rounds), how, rank1)
@@ -243,13 +247,32 @@ def main() -> None:
         one = min(t for label, t, _, _ in rows if label.startswith("one process, bound"))
         bound = next(t for label, t, _, _ in rows if label.startswith("compute only"))
         load = os.getloadavg()
-        print(f"\n{BLOCKS} x Dense({WIDTH}, tanh) + Dense({CLASSES}), {M} microbatches of {mb} rows, SGD; median of "
-              f"{args.steps} steps after {args.warmup} warm-up, median over {args.rounds} rounds; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-              f"on {os.cpu_count()} CPUs\n")
-        print("| run | mode | ms/step (median) | / one process (1 core) | / compute-only bound | on rank 1 |")
-        print("|---|---|---|---|---|---|")
-        for label, t, how, rank1 in rows:
-            print(f"| {label} | {how} | {t * 1e3:.1f} | {t / one:.3f} | {t / bound:.3f} | {rank1} |", flush=True)
+        table = Table(f"{BLOCKS} x Dense({WIDTH}, tanh) + Dense({CLASSES}), {M} microbatches of {mb} rows, SGD; "
+                      f"median of {args.steps} steps after {args.warmup} warm-up, median over {args.rounds} rounds; "
+                      f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs",
+                      ["run", "mode", "ms/step (median)", "/ one process (1 core)", "/ compute-only bound", "on rank 1"])
+        print(f"\n{table.title}\n")
+        print(table.markdown())
+        for i, (label, t, how, rank1) in enumerate(rows):
+            table.add(label, how, f"{t * 1e3:.1f}", f"{t / one:.3f}", f"{t / bound:.3f}", rank1)
+            print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+            records.append({"rows_per_microbatch": mb, "run": label, "mode": how, "on_rank1": rank1,
+                            "median_ms": t * 1e3, "round_ms": [r[i][1] * 1e3 for r in rounds],
+                            "per_one_process": t / one, "per_compute_bound": t / bound, "load_average": list(load)})
+        tables.append(table)
+        # smp's default (manual scopes, bound), per round against the faster one-process run of that round
+        default = next(i for i, row in enumerate(rows) if row[0] == "smp pp2 manual, bound (the default)")
+        ratios = [r[default][1] / min(t for label, t, _, _ in r if label.startswith("one process, bound"))
+                  for r in rounds]
+        headline.append({"what": f"Keras {BLOCKS} x Dense({WIDTH}) step time, smp pp2 (manual scopes, 2 ranks bound "
+                                 f"to 1 core each) / one Keras process on 1 core, {M} microbatches of {mb} rows",
+                         "value": f"{rows[default][1] / one:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, "
+                                  f"{args.rounds} rounds)"})
+    path = write_record("tf_pipeline", records,
+                        settings={**vars(args), "microbatches": M, "width": WIDTH, "blocks": BLOCKS, "classes": CLASSES,
+                                  "cut": CUT, "bind": list(BIND)},
+                        tables=tables, headline=headline[:3])
+    print(f"\nrecord: {os.path.relpath(path, ROOT)}")
 
 
 if __name__ == "__main__":
