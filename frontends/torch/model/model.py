@@ -313,8 +313,8 @@ class DistributedModel(nn.Module):
                 self._partition_hooks_ran = True
                 for hook in list(self._post_partition_hooks):
                     hook(self, smp_state.current().optimizer)
-            if self._steps == 1:
-                self._log_memory()
+            if self._steps == 1:  # the optimizer state exists: what this rank holds against the estimate
+                memory.log_memory(self.memory_check(), self._pp_rank)
             if self._average is not None:
                 self._average.begin()
             if self._join is not None:
@@ -501,8 +501,7 @@ class DistributedModel(nn.Module):
 
     @property
     def partition_report(self) -> PartitionReport | None:
-        """The partition's report (modules per rank, each rank's memory estimate); None before partitioning
-        or when the partition came from a checkpoint."""
+        """The partition's report (modules and memory estimate per rank); None if not decided here."""
         return self._report
 
     def memory_check(self) -> dict[str, dict[str, float]]:
@@ -510,17 +509,10 @@ class DistributedModel(nn.Module):
         state, counted from the tensors' storage) beside the partition report's estimate of them.
 
         Not a collective. Without a report (a partition loaded from a checkpoint), ``estimate`` is empty.
-
-        Example:
-            >>> model.memory_check()["held"]     # after a step and optimizer.step()  # doctest: +SKIP
-            {'weights': 67108864.0, 'gradients': 67108864.0, 'optimizer': 134217728.0}
+        Example: ``model.memory_check()["held"]`` -> ``{'weights': 6.7e7, 'gradients': 6.7e7, 'optimizer': 1.3e8}``.
         """
         self._require_partition()
         return memory.memory_check(self.module, smp_state.current().optimizer, self._report, self._pp_rank)
-
-    def _log_memory(self) -> None:
-        """Once, at the second step (the optimizer state exists): what this rank holds against the estimate."""
-        memory.log_memory(self.memory_check(), self._pp_rank)
 
     # --- state dicts (state_dict.py) -------------------------------------------------------------
 
