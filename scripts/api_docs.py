@@ -16,6 +16,7 @@ import glob
 import importlib
 import inspect
 import os
+import pathlib
 import re
 import sys
 import warnings
@@ -76,7 +77,7 @@ def build(out: str | None) -> list[str]:
             for name in PACKAGES:
                 pdoc.doc.Module(importlib.import_module(name))
         else:
-            pdoc.pdoc(*PACKAGES, output_directory=__import__("pathlib").Path(out))
+            pdoc.pdoc(*PACKAGES, output_directory=pathlib.Path(out))
     return [f"{w.category.__name__}: {w.message}" for w in caught if "pdoc" in (w.filename or "")]
 
 

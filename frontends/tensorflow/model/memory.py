@@ -12,24 +12,17 @@ before any variable gets a value.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
+
+import tensorflow as tf
 
 from smp.errors import PartitionMemoryError
 from smp.partition import format_bytes
 
 from ..residency import held_bytes
 
-logger = logging.getLogger("smp")
-
 SLOTS_PER_VARIABLE = 2  # Adam's moments: the estimate the torch report uses too (weights + grads + 2 slots)
-
-
-def _dtype_size(dtype: Any) -> int:
-    import tensorflow as tf
-
-    return int(tf.as_dtype(dtype).size)
 
 
 def estimates(variables: Sequence[Any], owners: dict[int, int], pp_size: int) -> list[dict[str, float]]:
@@ -37,7 +30,7 @@ def estimates(variables: Sequence[Any], owners: dict[int, int], pp_size: int) ->
     out = [{"weights": 0.0, "gradients": 0.0, "optimizer": 0.0} for _ in range(pp_size)]
     for i, v in enumerate(variables):
         r = owners.get(i, 0)
-        n = float(_dtype_size(v.dtype) * int(v.shape.num_elements() or 0))
+        n = float(tf.as_dtype(v.dtype).size * int(v.shape.num_elements() or 0))
         out[r]["weights"] += n
         if v.trainable:
             out[r]["gradients"] += n
