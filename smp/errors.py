@@ -106,12 +106,16 @@ class CommTimeoutError(SMPError, TimeoutError):
 
 
 class RemoteRankError(SMPError, RuntimeError):
-    """Another rank failed; carries that rank and its original traceback."""
+    """Another rank failed; carries that rank and its original traceback.
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``who`` names the rank as it described itself ("rank 3 (pp_rank 1, ...; pid 7 on host h2)"): its
+    coordinates and host, so the log of every rank says where to look.
+    """
+
+    def __init__(self, rank: int, message: str, who: str = "") -> None:
         self.rank = rank
         self.remote_message = message
-        super().__init__(f"rank {rank} failed:\n{message}")
+        super().__init__(f"{who or f'rank {rank}'} failed:\n{message}")
 
 
 class InvalidCommGroupError(SMPError, ValueError):

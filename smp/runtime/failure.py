@@ -1,7 +1,7 @@
 """Waiting on other ranks with a timeout, and spreading one rank's failure to all ranks.
 
-Framework-free: a frontend supplies the job's key-value store (`FailureStore`: torch's TCPStore /
-FileStore, a dict in tests) when it opens the channel, and its work handles (`Work`: anything with
+Framework-free: a frontend supplies the job's key-value store (`FailureStore`: torch's TCPStore,
+smp.tensorflow's MPIStore, a dict in tests) when it opens the channel, and its work handles (`Work`: anything with
 ``is_completed()`` and a blocking ``wait()``) when it waits.
 
 Every wait in smp goes through `wait()`: it polls the frontend's work handle, checks the
@@ -82,9 +82,15 @@ class FailureChannel:
 
     # --- the failure record --------------------------------------------------------------------
 
+    def who(self) -> str:
+        """This rank as its failure names it: coordinates, pid and host ("rank 1 (pp_rank 1; pid 7 on host b)")."""
+        where = f"pid {os.getpid()} on host {socket.gethostname()}"
+        name = self.describe(self.rank)
+        return f"{name[:-1]}; {where})" if name.endswith(")") else f"{name} ({where})"
+
     def publish(self, text: str) -> None:
-        """Record this rank's failure (the first published failure wins)."""
-        self.publish_record(FailureRecord(self.rank, FAILED, self.rank, text))
+        """Record this rank's failure (the first published failure wins), named with its coordinates and host."""
+        self.publish_record(FailureRecord(self.rank, FAILED, self.rank, text, self.who()))
 
     def publish_record(self, record: FailureRecord) -> None:
         """Record a failure, possibly in another rank's name (a lost or stalled peer)."""

@@ -48,15 +48,18 @@ class FailureRecord:
         kind: FAILED, LOST or STALLED.
         reporter: the rank that wrote the record.
         text: the traceback (FAILED) or the explanation (LOST, STALLED).
+        who: how the failed rank named itself (coordinates, pid and host; FAILED records), or "".
     """
 
     rank: int
     kind: str
     reporter: int
     text: str
+    who: str = ""
 
     def encode(self) -> str:
-        return f"{self.rank} {self.kind} {self.reporter}\n{self.text}"
+        who = self.who.replace("\t", " ").replace("\n", " ")
+        return f"{self.rank} {self.kind} {self.reporter}" + (f"\t{who}" if who else "") + f"\n{self.text}"
 
     @staticmethod
     def decode(raw: str) -> FailureRecord:
@@ -67,13 +70,16 @@ class FailureRecord:
             'lost'
             >>> FailureRecord.decode("2\\nTraceback ...").rank
             2
+            >>> FailureRecord.decode("2 failed 2\\trank 2 (pid 9 on host b)\\nTraceback ...").who
+            'rank 2 (pid 9 on host b)'
         """
         head, _, text = raw.partition("\n")
+        head, _, who = head.partition("\t")
         parts = head.split()
         rank = int(parts[0]) if parts and parts[0].lstrip("-").isdigit() else -1
         kind = parts[1] if len(parts) > 1 and parts[1] in (FAILED, LOST, STALLED) else FAILED
         reporter = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else rank
-        return FailureRecord(rank, kind, reporter, text)
+        return FailureRecord(rank, kind, reporter, text, who)
 
     def error_for(self, me: int) -> RemoteRankError | None:
         """The error rank ``me`` raises for this record, or None for its own failure (it raises that itself)."""
@@ -88,4 +94,4 @@ class FailureRecord:
                                     f"{self.text}\n(reported by rank {self.reporter})")
         if self.rank == me:
             return None
-        return RemoteRankError(self.rank, self.text)
+        return RemoteRankError(self.rank, self.text, self.who)

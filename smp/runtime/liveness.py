@@ -65,7 +65,7 @@ def local_process_gone(where: str) -> bool:
 
 
 class Store(Protocol):
-    """The part of a key-value store (torch's TCPStore / FileStore, a dict in tests) used here."""
+    """The part of a key-value store (torch's TCPStore, smp.tensorflow's MPIStore, a dict in tests) used here."""
 
     def set(self, key: str, value: str) -> None: ...
     def get(self, key: str) -> bytes: ...

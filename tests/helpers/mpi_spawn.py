@@ -17,8 +17,7 @@ run from the repository root in its own process group. ``fn`` travels by module 
 formatted traceback) to its own result file; the values come back as a list by world rank.
 
 The children get TF_CPP_MIN_LOG_LEVEL=3, TF_ENABLE_ONEDNN_OPTS=0 (bit-stable comparisons),
-OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1 and SMP_JOB_DIR (this run's temporary directory, so
-smp.tensorflow's job store goes away with it; then ``env``), and none of RANK, WORLD_SIZE,
+OMP_NUM_THREADS=1 and PYTHONUNBUFFERED=1 (then ``env``), and none of RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, SMP_RENDEZVOUS_FILE: the ranks learn
 who they are from MPI alone, as under a real ``mpiexec`` launch.
 
@@ -163,8 +162,6 @@ def run_mpi_ranks(fn: Callable[..., Any], n: int, args: Sequence[Any] = (), kwar
         child_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
         child_env.update(CHILD_ENV)
         child_env["SMP_LOG_LEVEL"] = os.environ.get("SMP_LOG_LEVEL", "WARNING")
-        # smp.tensorflow's job store goes here, so a killed job leaves nothing behind in /tmp.
-        child_env["SMP_JOB_DIR"] = tmp
         child_env.update(env or {})
         out_path = os.path.join(tmp, "output.txt")
         cmd = [mpiexec, *mpiexec_args, "-n", str(n), sys.executable, "-m", "tests.helpers._mpi_child", payload, result_dir]

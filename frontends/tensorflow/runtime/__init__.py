@@ -3,8 +3,8 @@
 - `init`: ``smp.init`` / ``smp.reset``, `TFRuntime` (this process's communicators, store, transport);
 - `comm`: the SMP v1 rank API and object communication (``send``, ``broadcast``, ``allgather``, ...);
 - `transport`: tensor messages (non-blocking sends, failure-aware receives, allreduce) for the engine;
-- `store`, `failure`: the job's file store and the core failure protocol bound to it, and how a
-  failing mpiexec job ends;
+- `store`, `failure`: the job's store (a copy per rank, over MPI) and the core failure protocol
+  bound to it, and how a failing mpiexec job ends;
 - `mpi`: MPI requests as the core's work handles, timed object collectives.
 
 The function ``init`` is exported under the submodule's name: code inside smp.tensorflow imports

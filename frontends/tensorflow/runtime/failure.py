@@ -1,7 +1,7 @@
 """The failure protocol for an mpiexec job: the core's channel on the job's file store, and how a failing job ends.
 
 The procedure (publish a failure, detect it, name the rank, heartbeats, waits with a timeout) is
-`smp.runtime.failure`; this module opens its channel on the `FileStore` of store.py and adds what
+`smp.runtime.failure`; this module opens its channel on the `MPIStore` of store.py and adds what
 MPI needs on top: mpiexec does not stop the other ranks when one rank's Python raises (measured:
 a rank that exits with an error leaves its peers running, waiting forever), so an uncaught
 exception ends the job itself:
@@ -12,14 +12,14 @@ exception ends the job itself:
    every other rank to be done: exited (the others stop within ~50 ms of the record when they are
    in an smp wait, with `RemoteRankError` naming the failed rank and its traceback, and come
    through this same hook) or gone;
-3. if all are done it removes the job's store and exits normally (exit status 1); otherwise it
-   logs which ranks still run, removes the store and calls ``MPI_Abort`` (exit status 1), which
-   ends every rank of the job.
+3. if all are done it exits normally (exit status 1); otherwise it logs which ranks still run and
+   calls ``MPI_Abort`` (exit status 1), which ends every rank of the job.
 
 Timeline (2 ranks, rank 1 raises while rank 0 waits for its activations)::
 
-    t=0.00  rank 1: ValueError -> record "1 failed 1" -> prints -> marks exited, waits
-    t=0.05  rank 0: recv sees the record -> RemoteRankError(rank 1, traceback) -> prints -> exited
+    t=0.00  rank 1: ValueError -> asks rank 0 to record "1 failed 1" -> prints -> marks exited, waits
+    t=0.05  rank 0: its recv's check takes the request in, records it, sends it to every rank
+            -> RemoteRankError(rank 1 on its host, traceback) -> prints -> exited
     t=0.10  both see the other exited -> exit 1; mpiexec returns 1
 
 A SIGKILLed rank ends an mpiexec (Hydra) job at once: Hydra kills the others itself. Under
@@ -55,7 +55,7 @@ from smp.runtime.failure import (
 )
 from smp.runtime.liveness import EXITED, local_process_gone
 
-from .store import FileStore
+from .store import MPIStore
 
 __all__ = ["DEAD_AFTER_S", "EXIT_GRACE_S", "HEARTBEAT_S", "ExitGuard", "FailureChannel", "channel", "check_peers",
            "note_wait_error", "open_channel", "publish_failure", "ranks_still_running", "set_channel",
@@ -68,7 +68,7 @@ EXIT_GRACE_S = float(os.environ.get("SMP_EXIT_GRACE_S", "5"))
 _BEAT_KEY, _WHERE_KEY = "hb/{}", "hb/{}/where"
 
 
-def open_channel(store: FileStore | None, rank: int, timeout_s: float,
+def open_channel(store: MPIStore | None, rank: int, timeout_s: float,
                  describe: Callable[[int], str] | None = None) -> FailureChannel:
     """This process's failure channel on the job's store, made current (``smp.state.current().failure``)."""
     global _wait_error
@@ -109,22 +109,17 @@ def smp_error_behind(error: BaseException) -> BaseException | None:
     return None
 
 
-def _rank_done(store: FileStore, peer: int) -> bool:
+def _rank_done(store: MPIStore, peer: int) -> bool:
     """Whether ``peer`` left the job: it marked itself exited, or its process on this host is gone."""
-    if not os.path.isdir(store.directory):
-        return True  # removed: the last rank out saw every rank done
-    try:
-        beat = store.get(_BEAT_KEY.format(peer)) if store.check([_BEAT_KEY.format(peer)]) else b""
-        if beat.decode("utf-8", "replace").partition("\t")[0] == EXITED:
-            return True
-        where_key = _WHERE_KEY.format(peer)
-        where = store.get(where_key).decode() if store.check([where_key]) else ""
-    except OSError:
-        return not os.path.isdir(store.directory)
+    beat = store.get(_BEAT_KEY.format(peer)) if store.check([_BEAT_KEY.format(peer)]) else b""
+    if beat.decode("utf-8", "replace").partition("\t")[0] == EXITED:
+        return True
+    where_key = _WHERE_KEY.format(peer)
+    where = store.get(where_key).decode() if store.check([where_key]) else ""
     return bool(where) and local_process_gone(where)
 
 
-def ranks_still_running(store: FileStore, world: int, rank: int) -> list[int]:
+def ranks_still_running(store: MPIStore, world: int, rank: int) -> list[int]:
     """The ranks other than ``rank`` still in the job (empty: every one exited or is gone)."""
     return [p for p in range(world) if p != rank and not _rank_done(store, p)]
 
@@ -136,7 +131,7 @@ class ExitGuard:
     ``MPI.COMM_WORLD.Abort``.
     """
 
-    def __init__(self, ch: FailureChannel, store: FileStore, world: int, abort: Callable[[int], Any],
+    def __init__(self, ch: FailureChannel, store: MPIStore, world: int, abort: Callable[[int], Any],
                  grace_s: float = EXIT_GRACE_S) -> None:
         self.channel = ch
         self.store = store
@@ -182,12 +177,11 @@ class ExitGuard:
         while running and time.monotonic() < deadline:
             time.sleep(0.05)
             running = ranks_still_running(self.store, self.world, self.channel.rank)
+        self.store.abandon()  # the process ends now: no barrier with peers that may be gone
         if not running:
-            self.store.remove_directory()
             return
         logger.error("ending the job with MPI_Abort: rank(s) %s still running %.0f s after the failure was "
                      "published (stalled, or not in an smp wait)", running, self.grace_s)
         sys.stderr.flush()
         sys.stdout.flush()
-        self.store.remove_directory()  # the abort ends every rank: nobody reads the store again
         self.abort(1)

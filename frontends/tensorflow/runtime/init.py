@@ -2,8 +2,9 @@
 
 Order of work: detect the launch (no communication), resolve and validate the configuration
 (`smp.config.resolve`, the same errors as ``smp.torch``; raises before any communicator exists),
-then a timed barrier over the world (every rank reached init; at least `INIT_TIMEOUT_S`), the job's store (store.py) with
-the failure channel, heartbeat and exit guard (failure.py), one MPI sub-communicator per group
+then a timed barrier over the world (every rank reached init; at least `INIT_TIMEOUT_S`), the job's store (store.py,
+kept by every rank over MPI: no shared file system needed) with the failure channel, heartbeat and
+exit guard (failure.py), one MPI sub-communicator per group
 kind (``COMM_WORLD.Split``; identical rank lists share one), ``engine_comm`` and the `Transport`.
 
 Launches: ``mpiexec``/``mpirun`` (MPICH's ``PMI_*``, Open MPI's ``OMPI_COMM_WORLD_*``), or one
@@ -25,8 +26,6 @@ import atexit
 import logging
 import os
 import sys
-import tempfile
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +40,8 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
-from .mpi import all_true, bcast_object, wait_request
-from .store import JOB_DIR_ENV, FileStore
+from .mpi import all_true, wait_request
+from .store import MPIStore
 from .transport import Transport
 
 __all__ = ["INTER_OP_POOL", "OVERLAP_ENV", "TFRuntime", "config", "init", "is_initialized", "overlap_requested", "reset",
@@ -69,7 +68,7 @@ class TFRuntime:
         groups: this rank's communicator per group kind (``WORLD`` included: smp's own duplicate),
             ranks in group-rank order.
         group_ranks: each of those groups as global ranks, in group-rank order.
-        store: the job's `FileStore` (None for one process).
+        store: the job's `MPIStore` (None for one process).
         transport: the tensor transport over ``engine_comm``.
         exit_guard: ends the job on an uncaught exception (None for one process).
         overlap: steps overlap microbatches in the scheduler's order (`overlap_requested` on every
@@ -82,7 +81,7 @@ class TFRuntime:
     object_comm: Any
     groups: dict[GroupKind, Any] = field(default_factory=dict)
     group_ranks: dict[GroupKind, list[int]] = field(default_factory=dict)
-    store: FileStore | None = None
+    store: MPIStore | None = None
     overlap: bool = False
     transport: Transport | None = None
     exit_guard: failure.ExitGuard | None = None
@@ -137,7 +136,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
 
     Raises:
         SMPConfigError: listing every configuration problem, before any communicator is created.
-        LaunchError: not an MPI launch with several ranks, or the ranks cannot share the job store.
+        LaunchError: not an MPI launch with several ranks, or not the MPI that mpi4py was built for.
 
     Example:
         >>> import smp.tensorflow as smp
@@ -165,7 +164,9 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
         # rank 0 may download data first), so this wait is not held to a short comm_timeout.
         wait_request(world.Ibarrier(), "smp.init (every rank must call smp.init)", list(range(launch.world_size)),
                      timeout_s=max(timeout, INIT_TIMEOUT_S))
-    store = open_job_store(world, launch.rank, timeout) if launch.world_size > 1 else None
+    # The store's own communicator: Dup is collective, and every rank reached init.
+    store = MPIStore(world.Dup(), _neighbours(rank_map, launch.rank), timeout_s=min(timeout, 30.0)) \
+        if launch.world_size > 1 else None
     channel = failure.open_channel(store, launch.rank, timeout, describe=lambda r: _describe(rank_map, r))
     channel.install_excepthook()
     rt = TFRuntime(launch, world, None, None, store=store)
@@ -252,50 +253,6 @@ def _neighbours(rank_map: RankMap, rank: int) -> set[int]:
     return {r for kind in _KINDS for r in rank_map.group(kind, rank)} - {rank}
 
 
-def open_job_store(comm: Any, rank: int, timeout_s: float) -> FileStore:
-    """Make the job's store: rank 0 creates the directory, every rank checks that it sees it.
-
-    Args:
-        comm: the world communicator (``MPI.COMM_WORLD``); both collectives have ``timeout_s``.
-        rank: this rank.
-        timeout_s: the ``comm_timeout``.
-
-    Lives here, not in store.py: it needs the MPI collectives (`mpi`), whose waits report
-    through `failure`, which reads the store.
-
-    Raises:
-        LaunchError: on every rank, when rank 0 cannot make the directory or a rank cannot see it.
-    """
-    made: tuple[str, str, str] | None = None
-    if rank == 0:
-        parent = os.environ.get(JOB_DIR_ENV) or tempfile.gettempdir()
-        token = uuid.uuid4().hex
-        try:
-            path = tempfile.mkdtemp(prefix=f"smp-tf-{token[:8]}-", dir=parent)
-            with open(os.path.join(path, "job"), "w") as f:
-                f.write(token)
-            made = (path, token, "")
-        except OSError as e:
-            made = ("", "", f"rank 0 cannot create the job directory under {parent}: {e}")
-    made = bcast_object(comm, made, 0, "smp.init: the job store directory", timeout_s=timeout_s)
-    assert made is not None
-    path, token, problem = made
-    if problem:
-        raise LaunchError(f"{problem}; set {JOB_DIR_ENV} to a writable directory")
-    try:
-        with open(os.path.join(path, "job")) as f:
-            sees = f.read() == token
-    except OSError:
-        sees = False
-    if not all_true(comm, sees, "smp.init: the job store check", timeout_s=timeout_s):
-        raise LaunchError(
-            f"not every rank sees the job directory {path} that rank 0 made (smp.tensorflow keeps its failure "
-            f"record and heartbeats there; rank {rank} {'does' if sees else 'does not'}). Ranks on several hosts "
-            f"need it on a shared filesystem: set {JOB_DIR_ENV} to a directory every host mounts (NFS, Lustre, "
-            f"EFS), e.g. mpiexec -genv {JOB_DIR_ENV} /shared/tmp ...")
-    return FileStore(path, timeout_s=min(timeout_s, 30.0))
-
-
 OVERLAP_ENV = "SMP_TF_OVERLAP"
 INTER_OP_POOL = 32  # threads; what overlap needs is `engine.schedule.min_inter_op_threads` (8-16 for most models)
 
@@ -374,8 +331,8 @@ def reset() -> None:
     """Tear down what `init` built (communicators, store, the state), so `init` can run again.
 
     Drops all process state of smp (`smp.state.reset`, which also closes the frontend's `TFState`
-    and the failure channel: the heartbeat marks this rank exited). The last rank out removes the
-    job's store directory.
+    and the failure channel: the heartbeat marks this rank exited), then closes the job's store
+    (which waits, at most the store's timeout, until every rank has closed it).
     """
     rt = smp_state.current().runtime
     if isinstance(rt, TFRuntime):
@@ -385,13 +342,12 @@ def reset() -> None:
                 del os.environ[name]
     smp_state.reset()
     if isinstance(rt, TFRuntime) and rt.store is not None:
-        if not failure.ranks_still_running(rt.store, rt.launch.world_size, rt.launch.rank):
-            rt.store.remove_directory()
+        rt.store.close()
 
 
 def _shutdown_at_exit() -> None:
     # SMP v1 scripts never call a shutdown: mark this rank exited (peers finishing their last step
-    # do not report it lost) and let the last rank out remove the job's store.
+    # do not report it lost) and close the job's store with the others.
     if smp_state.current().runtime is not None:
         try:
             reset()

@@ -382,7 +382,7 @@ class Engine(Requester, Owner):
             elif kind == DONE:
                 raise _Stop()
             elif kind == ERROR:
-                raise RemoteRankError(msg.body["rank"], msg.body["text"])
+                raise RemoteRankError(msg.body["rank"], msg.body["text"], msg.body.get("who", ""))
             else:
                 raise RuntimeError(f"unexpected message kind {kind} for microbatch {task.microbatch}")
 
@@ -526,7 +526,7 @@ class Engine(Requester, Owner):
                 self._log_fallback(f"{msg.body} (seen on pp_rank {msg.src_pp})")
                 continue
             if msg.kind == ERROR:
-                error = RemoteRankError(msg.body["rank"], msg.body["text"])
+                error = RemoteRankError(msg.body["rank"], msg.body["text"], msg.body.get("who", ""))
                 break
             if msg.kind == DONE:
                 results, payload = unpack(msg.body["skeleton"], msg.tensors)
@@ -563,10 +563,12 @@ class Engine(Requester, Owner):
         failure.publish_failure(error)  # a stall is published in the silent peer's name
         if not isinstance(error, RemoteRankError):
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            ch = failure.channel()
+            who = ch.who() if ch is not None else ""
             for pp in range(len(self.pp_ranks)):
                 if pp != self.pp_rank:
                     try:
-                        self._send(pp, ERROR, -1, {"rank": self.pp_ranks[self.pp_rank], "text": text})
+                        self._send(pp, ERROR, -1, {"rank": self.pp_ranks[self.pp_rank], "text": text, "who": who})
                     except Exception:  # noqa: BLE001 - the peer may be gone already
                         pass
         stop = Message(DONE, -1, -1, None, [])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -91,10 +94,11 @@ def test_the_first_published_failure_wins_and_reaches_the_other_ranks(store: Dic
     assert ch is not None
     ch.publish("Traceback: boom")
     ch.publish("Traceback: second")
-    assert _record(store) == FailureRecord(1, FAILED, 1, "Traceback: boom")
+    where = f"pid {os.getpid()} on host {socket.gethostname()}"
+    assert _record(store) == FailureRecord(1, FAILED, 1, "Traceback: boom", f"rank 1 ({where})")
     ch.check()  # its own failure: this rank raises that itself
     other = failure.FailureChannel(store, rank=0, timeout_s=5.0)
-    with pytest.raises(RemoteRankError, match="rank 1 failed:\nTraceback: boom"):
+    with pytest.raises(RemoteRankError, match=re.escape(f"rank 1 ({where}) failed:\nTraceback: boom")):
         other.check()
 
 

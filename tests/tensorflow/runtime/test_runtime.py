@@ -203,8 +203,8 @@ def runtime_body(config: dict[str, Any], again: dict[str, Any]) -> dict[str, Any
     pp_peer = [r for r in rt.group_ranks[GroupKind.PP] if r != me][0]
     transport = _transport_checks(smp, rt, pp_peer)
     allreduce = _allreduce_checks(smp, rt)
-    store_dir = rt.store.directory
-    assert os.path.isdir(store_dir)
+    store = rt.store
+    assert store.check([f"hb/{me}/where"])
     # reset, then init again with another layout in the same process
     smp.reset()
     assert not smp.is_initialized() and "RANK" not in os.environ
@@ -212,7 +212,7 @@ def runtime_body(config: dict[str, Any], again: dict[str, Any]) -> dict[str, Any
         smp.pp_rank()
     smp.init(again)
     rt2 = runtime()
-    assert rt2.store.directory != store_dir
+    assert rt2.store is not store and not store._open  # closed by the reset, with every rank
     assert smp.pp_size() == again["pipeline_parallel_degree"]
     assert smp.allgather(me, smp.WORLD) == list(range(world))
     assert smp.allgather(me, smp.DP_GROUP) == smp.get_dp_group()
@@ -220,21 +220,18 @@ def runtime_body(config: dict[str, Any], again: dict[str, Any]) -> dict[str, Any
     smp.barrier()
     smp.reset()
     return {"ranks": ranks, "groups": groups, "rings": rings, "gathered": gathered, "transport": transport,
-            "allreduce": allreduce, "mean_after_reinit": float(mean[0]), "store_dir": store_dir}
+            "allreduce": allreduce, "mean_after_reinit": float(mean[0])}
 
 
 @pytest.mark.mpi
-def test_runtime_2_ranks(tmp_path: Any) -> None:
+def test_runtime_2_ranks() -> None:
     out = run_mpi_ranks(runtime_body, 2, args=({"pipeline_parallel_degree": 2, "microbatches": 4},
-                                               {"pipeline_parallel_degree": 1, "horovod": True}), timeout=120,
-                        env={"SMP_JOB_DIR": str(tmp_path)})
+                                               {"pipeline_parallel_degree": 1, "horovod": True}), timeout=120)
     assert [o["ranks"]["pp_rank"] for o in out] == [0, 1]
     assert out[0]["rings"] == [("WORLD", 1), ("PP", 1), (), (), (), ("MP", 1)]
     assert out[0]["gathered"]["PP_GROUP"] == [{"r": 0}, {"r": 1}] and out[1]["gathered"]["DP_GROUP"] == [{"r": 1}]
     assert out[0]["transport"]["max_tag"] >= 32767
     assert [o["mean_after_reinit"] for o in out] == [0.5, 0.5]  # pp 1 x dp 2 after the reset
-    assert all(o["store_dir"].startswith(str(tmp_path)) for o in out)
-    assert os.listdir(tmp_path) == []  # the last rank out removed each init's store
 
 
 @pytest.mark.mpi
@@ -291,33 +288,57 @@ def runtime_of_this_process() -> Any:
     return runtime()
 
 
-def test_file_store_first_failure_wins_across_threads(tmp_path: Any) -> None:
-    """compare_set under an flock: of 8 threads racing to publish, exactly one record is kept."""
+def store_body() -> dict[str, Any]:
+    """Three ranks race to publish a failure; one record wins everywhere; beats go to watchers only."""
     import threading
 
-    from smp.tensorflow.runtime.store import FileStore
+    from mpi4py import MPI
+    from smp.tensorflow.runtime.store import MPIStore
 
-    store = FileStore(str(tmp_path), timeout_s=0.2)
+    world = MPI.COMM_WORLD
+    me = world.Get_rank()
+    store = MPIStore(world.Dup(), watchers=[(me + 1) % 3], timeout_s=0.3)
+    world.Barrier()
     go = threading.Event()
     answers: list[bytes] = []
 
-    def publish(r: int) -> None:
+    def publish(t: int) -> None:
         go.wait()
-        answers.append(store.compare_set("failure", "", f"{r} failed {r}\ntraceback {r}"))
+        answers.append(store.compare_set("failure", "", f"{me} failed {me}\ntraceback {me}.{t}"))
 
-    threads = [threading.Thread(target=publish, args=(r,)) for r in range(8)]
+    threads = [threading.Thread(target=publish, args=(t,)) for t in range(3)]
     for t in threads:
         t.start()
     go.set()
     for t in threads:
         t.join()
+    store.set(f"hb/{me}", "3\tgradient allreduce")  # to rank me+1 only
+    store.set(f"hb/{me}/where", f"pid {me} on host h{me}")  # to every rank
+    where = [store.get(f"hb/{r}/where").decode() for r in range(3)]
+    beat_from = (me - 1) % 3
+    beat = store.get(f"hb/{beat_from}")
+    world.Barrier()
+    try:
+        store.get(f"hb/{(me + 1) % 3}")  # rank me+1 beats to rank me+2 only
+        unseen = ""
+    except TimeoutError as e:
+        unseen = str(e)
+    store.set(f"hb/{me}", "exited\t")  # the last beat goes to every rank
+    world.Barrier()
+    exited = store.get(f"hb/{(me + 1) % 3}")
     kept = store.get("failure")
-    assert len(set(answers)) == 1 and answers[0] == kept and kept.split(b" ")[1] == b"failed"
-    assert store.check(["failure"]) and not store.check(["failure", "hb/0"])
-    store.set("hb/0", "3\tgradient allreduce")
-    assert store.get("hb/0") == b"3\tgradient allreduce" and os.path.exists(tmp_path / "hb%2F0")
-    with pytest.raises(TimeoutError, match="'hb/1' not set"):
-        store.get("hb/1")
-    store.remove_directory()
-    with pytest.raises(FileNotFoundError, match="is gone"):
-        store.get("hb/1")
+    store.close()
+    return {"answers": sorted(set(answers)), "kept": kept, "where": where, "beat": beat, "unseen": unseen,
+            "exited": exited}
+
+
+@pytest.mark.mpi
+def test_mpi_store_first_failure_wins_on_every_rank() -> None:
+    out = run_mpi_ranks(store_body, 3, timeout=90)
+    kept = {o["kept"] for o in out}
+    assert len(kept) == 1 and all(o["answers"] == [o["kept"]] for o in out), out
+    assert next(iter(kept)).split(b" ")[1] == b"failed"
+    assert all(o["where"] == ["pid 0 on host h0", "pid 1 on host h1", "pid 2 on host h2"] for o in out)
+    assert all(o["beat"] == b"3\tgradient allreduce" for o in out)
+    assert all("not set in the job's store" in o["unseen"] for o in out), out
+    assert all(o["exited"] == b"exited\t" for o in out)
