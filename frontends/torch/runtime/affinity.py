@@ -11,35 +11,37 @@ in one process per rank, gains less from the same binding (Llama 756 / 785 / 776
 783 / 809). DeepSpeed's launcher has the same binding behind
 ``--bind_cores_to_rank``; `init` does it by default on CPU when it is safe:
 
-- the launcher said how many ranks share this host and which one this is (``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE``, or Open MPI's / MPICH's equivalents: `smp.runtime.launch.Launch.local_named`);
-  without both, ranks of one host could pick the same cores;
+- there are several ranks on this host, counted from every rank's host name (`host_slot`, after
+  the process group is up), not from the launcher's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``: two
+  torchrun agents on one host (or two Hydra host entries naming it) each number their ranks from
+  0, and local rank 0 of both would take the same cores;
 - nothing restricted this process yet: its CPU mask is every online CPU (a launcher that binds
   ranks itself, ``numactl``, ``taskset`` or a container's cpuset is left as it is);
 - there are at least as many CPUs as local ranks.
 
-Local rank ``i`` then takes the ``i``-th of ``local_size`` equal blocks of the CPUs ordered by
+The ``i``-th rank of the host then takes the ``i``-th of ``count`` equal blocks of the CPUs ordered by
 (package, core, CPU), so SMT siblings stay together and a block is whole cores where the counts
 allow; every thread the process already has moves there, and threads started later inherit it.
 torch's intra-op thread count is left as it is: it decides how a reduction splits (a LayerNorm's
 weight gradient summed by 2 threads differs in the last bits from 1 thread's sum), so changing it
 would change the numbers of training; where it exceeds the block, rank 0 says so once
 (torchrun already sets ``OMP_NUM_THREADS=1`` per rank). ``SMP_CPU_AFFINITY=keep`` leaves the mask
-as it is. `restore` (called by ``smp.reset()``) gives the threads their mask back.
+as it is. `restore` (called by ``smp.reset()``) gives the threads their mask back. Rank 0 logs
+what was bound where (`describe`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from smp.runtime.launch import Launch
 
-__all__ = ["Binding", "bind_local_rank", "plan", "restore"]
+__all__ = ["Binding", "bind", "bind_local_rank", "describe", "host_slot", "plan", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +104,73 @@ def _set_all_threads(cpus: set[int]) -> None:
             continue
 
 
-def bind_local_rank(launch: Launch, env: Mapping[str, str] | None = None) -> Binding | None:
-    """Bind this process to its local rank's CPUs where safe (module docstring); None if it did not."""
+def host_slot(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """``rank``'s place among the ranks on its host, from every rank's host name: (index, count).
+
+    Example:
+        >>> host_slot(["a", "a", "b", "a"], 3)   # two agents on host a: ranks 0, 1 and 3
+        (2, 3)
+    """
+    same = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return same.index(rank), len(same)
+
+
+def bind(index: int, count: int, env: Mapping[str, str] | None = None) -> Binding | None:
+    """Bind this process to block ``index`` of ``count`` of its host's CPUs where safe (module docstring).
+
+    Returns None where it did not bind.
+    """
     env = os.environ if env is None else env
-    if not launch.local_named or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") \
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") \
             or env.get("SMP_CPU_AFFINITY", "").lower() == "keep":
         return None
-    local_rank, local_size = launch.local_rank, launch.local_size
     before = set(os.sched_getaffinity(0))
-    cpus = plan(before, _online(), local_rank, local_size, _topology)
+    cpus = plan(before, _online(), index, count, _topology)
     if cpus is None:
         return None
     _set_all_threads(set(cpus))
-    log.debug("local rank %d of %d bound to CPUs %s (SMP_CPU_AFFINITY=keep leaves the mask as it is)",
-              local_rank, local_size, list(cpus))
     threads = torch.get_num_threads()
-    if threads > len(cpus) and local_rank == 0:
+    if threads > len(cpus) and index == 0:
         log.info("torch runs %d intra-op threads on this rank's %d CPU(s); torch.set_num_threads(%d) "
                  "(or OMP_NUM_THREADS) avoids them taking turns, at the price of other last bits in "
                  "reductions", threads, len(cpus), len(cpus))
     return Binding(cpus, frozenset(before))
+
+
+def bind_local_rank(launch: Launch, env: Mapping[str, str] | None = None) -> Binding | None:
+    """`bind` by the launcher's local rank and size (a launch of one agent per host); None if it did not bind."""
+    if not launch.local_named:
+        return None
+    return bind(launch.local_rank, launch.local_size, env)
+
+
+def _cpu_ranges(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    parts: list[str] = []
+    for cpu in sorted(cpus):
+        if parts and cpu == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
+
+
+def describe(hosts: Sequence[str], bound: Sequence[tuple[int, ...] | None], max_hosts: int = 4) -> str:
+    """Where each rank was bound, host by host (``bound[r]``: rank r's CPUs, None where it was not bound).
+
+    The first ``max_hosts`` hosts are listed; the others are counted.
+
+    Example:
+        >>> describe(["a", "a", "b"], [(0, 1), (2, 3), None])
+        'host a: rank 0 on CPUs 0-1, rank 1 on CPUs 2-3; host b: rank 2 not bound'
+    """
+    by_host: dict[str, list[str]] = {}
+    for rank, (host, cpus) in enumerate(zip(hosts, bound)):
+        what = f"rank {rank} on CPUs {_cpu_ranges(cpus)}" if cpus else f"rank {rank} not bound"
+        by_host.setdefault(host, []).append(what)
+    shown = [f"host {host}: {', '.join(ranks)}" for host, ranks in list(by_host.items())[:max_hosts]]
+    more = len(by_host) - len(shown)
+    return "; ".join(shown) + (f"; {more} more host(s)" if more else "")
 
 
 def restore(binding: Binding | None) -> None:

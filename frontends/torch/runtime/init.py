@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -108,9 +109,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     # torch's own limit sits above ours, so smp's clearer timeout error (naming op and peers) fires first.
     timeout = timedelta(seconds=float(cfg.comm_timeout) * 1.5 + 10)
     backend, device, _ = _backend()
-    binding = None
     if device.type == "cpu":
-        binding = affinity.bind_local_rank(launch)  # before gloo's and the engine's threads: they inherit it
         share_heap()  # before gloo's and the engine's threads exist (heap.py)
         keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
     owns = launch.kind != "existing"
@@ -119,6 +118,8 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
                                 world_size=1, timeout=timeout)
     elif owns:
         _init_default_group(backend, launch, timeout)
+    # After the rendezvous: the ranks sharing this host are counted from every rank's host name.
+    binding = _bind_cpus(launch.rank, launch.world_size) if device.type == "cpu" and launch.world_size > 1 else None
     store = _default_store()
     rt = TorchRuntime(launch, backend, device, owns, store, binding=binding)
     channel = failure.open_channel(store, launch.rank, float(cfg.comm_timeout),
@@ -160,6 +161,22 @@ def _init_default_group(backend: str, launch: Launch, timeout: timedelta) -> Non
         return
     dist.init_process_group(backend, store=dist.PrefixStore(f"smp/init{KEPT.inits}", KEPT.first_store),
                             rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+
+
+def _bind_cpus(rank: int, world: int) -> affinity.Binding | None:
+    """Bind this rank to its share of its host's CPUs (affinity.py); rank 0 logs where every rank went.
+
+    Every thread the process has moves (gloo's included); threads started later inherit the mask.
+    """
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    binding = affinity.bind(*affinity.host_slot(hosts, rank))
+    bound: list[Any] = [None] * world
+    dist.all_gather_object(bound, binding.cpus if binding is not None else None)
+    if rank == 0 and any(bound):
+        logger.info("CPU binding (SMP_CPU_AFFINITY=keep leaves each mask as it is): %s",
+                    affinity.describe(hosts, bound))
+    return binding
 
 
 def _export_rank_env(launch: Launch) -> dict[str, str]:

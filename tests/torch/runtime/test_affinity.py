@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from smp.torch.runtime.affinity import plan
+from smp.torch.runtime.affinity import describe, host_slot, plan
 
 from tests.helpers.spawn import run_ranks
 from tests.torch.zoo import train_relu_loop
@@ -42,6 +42,15 @@ def test_plan_leaves_alone_what_it_cannot_bind_safely() -> None:
     assert plan(cpus, cpus, 2, 2) is None  # a local rank outside the local size
 
 
+def test_ranks_are_counted_per_host_name_not_per_launcher_agent() -> None:
+    # Two agents on host a (ranks 0-1 and 2-3 both say local ranks 0, 1) and one on host b.
+    hosts = ["a", "a", "a", "a", "b", "b"]
+    assert [host_slot(hosts, r) for r in range(6)] == [(0, 4), (1, 4), (2, 4), (3, 4), (0, 2), (1, 2)]
+    assert describe(hosts[:3] + ["b"], [(0,), (1,), (2, 3, 5), None]) == \
+        "host a: rank 0 on CPUs 0, rank 1 on CPUs 1, rank 2 on CPUs 2-3,5; host b: rank 3 not bound"
+    assert describe([f"h{r}" for r in range(6)], [(0,)] * 6, max_hosts=2).endswith("; 4 more host(s)")
+
+
 
 def _masks() -> set[tuple[int, ...]]:
     """The CPU masks of this process's threads."""
@@ -61,8 +70,8 @@ def _train(setup: str) -> dict[str, Any]:
         os.environ["SMP_CPU_AFFINITY"] = "keep"
     elif setup == "taskset":
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    elif setup == "no local size":
-        del os.environ["LOCAL_WORLD_SIZE"]
+    elif setup == "two agents":  # two torchrun agents of one rank each on this host: both say local rank 0 of 1
+        os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     torch.set_num_threads(2)
     before = _masks()
     train_relu_loop(smp, 16, 1)
@@ -73,8 +82,9 @@ def _train(setup: str) -> dict[str, Any]:
 
 
 @needs_two_cpus
-def test_two_ranks_run_on_disjoint_cores_and_reset_gives_the_mask_back() -> None:
-    out = run_ranks(_train, 2, args=("default",))
+@pytest.mark.parametrize("setup", ["default", "two agents"])
+def test_two_ranks_run_on_disjoint_cores_and_reset_gives_the_mask_back(setup: str) -> None:
+    out = run_ranks(_train, 2, args=(setup,))
     everything = set(os.sched_getaffinity(0))
     for o in out:
         assert o["before"] == {tuple(sorted(everything))}
@@ -88,7 +98,7 @@ def test_two_ranks_run_on_disjoint_cores_and_reset_gives_the_mask_back() -> None
 
 
 @needs_two_cpus
-@pytest.mark.parametrize("setup", ["keep", "taskset", "no local size"])
+@pytest.mark.parametrize("setup", ["keep", "taskset"])
 def test_binding_is_left_out_where_the_user_or_launcher_decides(setup: str) -> None:
     for o in run_ranks(_train, 2, args=(setup,)):
         assert o["during"] == o["before"], f"{setup}: smp changed the CPU mask"
