@@ -164,7 +164,7 @@ class FailureChannel:
                 "replica the same number of batches (DistributedSampler with drop_last=True).")
 
     def _store_lost_text(self, error: str) -> str:
-        return (f"{self.describe(0)} is most likely gone: rank {self.rank} lost the job's key-value store ({error}), "
+        return (f"{self._name(0)} is most likely gone: rank {self.rank} lost the job's key-value store ({error}), "
                 "which lives in rank 0's process with a bare launch or mpirun (a TCPStore at "
                 "MASTER_ADDR:MASTER_PORT); check rank 0's log. Under torchrun the store is the agent's, so that "
                 "agent or its host is gone.")
