@@ -1,0 +1,248 @@
+"""smp against torch.distributed.pipelining on Hugging Face Llamas of several shapes, called as users call them.
+
+Each shape is an unmodified ``LlamaForCausalLM`` built from config and trained the Hugging Face way:
+``model(input_ids=ids, labels=ids).loss`` (the model's own loss), ``model.backward(loss)`` and
+``optimizer.step()`` (AdamW) inside the timed step. On 2 CPU ranks (gloo, one thread each), in
+**one launch per shape**, the rows take turns round after round (paired rounds, so a machine whose
+speed drifts between minutes drifts for every row alike):
+
+- ``torch 1F1B`` / ``torch GPipe``: torch.distributed.pipelining on the hand cut (first half of the
+  decoder layers with the embedding | second half with the norm, head and loss), AdamW over the
+  stage's parameters stepped in the timed step;
+- ``smp defaults``: ``{"pipeline_parallel_degree": 2, "microbatches": m}`` and nothing else;
+- ``smp best``: automatic partitioning with ``pipeline: "zb_v"``, ``virtual_stages: 2``,
+  ``memory_weight: 0``.
+
+Both sides run with smp's CPU settings (glibc heap thresholds, each rank bound to its own core),
+set once at the start of the launch. Per shape the table gives the single-process step (same
+optimizer), the compute per microbatch per stage (single / m / 2), and per row the median over
+rounds of each round's median step (the slower rank's), the spread (min-max of the round medians)
+and the ratio to torch 1F1B of the same round (median and range over rounds).
+
+    .venv/bin/python benchmarks/bench_sweep.py [--shapes all|NAME,...] [--rounds 5] [--steps 4] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from records import Table, write_record  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tests.helpers.spawn import run_ranks  # noqa: E402
+
+# name -> (layers, hidden, mlp, heads, kv heads, seq, microbatches, rows per microbatch)
+SHAPES: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
+    "h128-mha-s512-m4": (8, 128, 512, 4, 4, 512, 4, 2),
+    "h256-gqa-s128-m8": (8, 256, 688, 8, 4, 128, 8, 2),  # the shape of the issue that found the gap
+    "h512-gqa-s64-m16": (8, 512, 1376, 8, 2, 64, 16, 1),
+    "h1024-mha-s128-m4": (4, 1024, 4096, 16, 16, 128, 4, 1),
+}
+VOCAB = 4096
+ROWS = ("torch 1F1B", "torch GPipe", "smp defaults", "smp best")
+BEST = {"pipeline": "zb_v", "virtual_stages": 2, "memory_weight": 0.0}
+
+
+def _llama(shape: str) -> Any:
+    import transformers
+
+    layers, hidden, mlp, heads, kv, seq, _, _ = SHAPES[shape]
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                   max_position_embeddings=seq, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def _batches(shape: str, count: int) -> list[torch.Tensor]:
+    *_, seq, m, rows = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (m * rows, seq), generator=g) for _ in range(count)]
+
+
+def _hf_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """What ``LlamaForCausalLM`` computes from ``labels=ids``: next-token cross-entropy."""
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+class _Stage(nn.Module):
+    """Half of the decoder layers as ``LlamaModel.forward`` calls them (rotary embeddings from positions)."""
+
+    def __init__(self, hf: Any, first: bool) -> None:
+        super().__init__()
+        body, cut = hf.model, len(hf.model.layers) // 2
+        self.rotary = body.rotary_emb
+        self.layers = body.layers[:cut] if first else body.layers[cut:]
+        self.embed = body.embed_tokens if first else None
+        self.norm = None if first else body.norm
+        self.lm_head = None if first else hf.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = self.rotary(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        return h if self.norm is None else self.lm_head(self.norm(h))
+
+
+def single(shape: str, steps: int, warmup: int) -> float:
+    """One process, one thread: the median step (forward, backward, AdamW) over the whole batch."""
+    torch.set_num_threads(1)
+    model = _llama(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    *_, m, rows = SHAPES[shape]
+    times = []
+    for ids in _batches(shape, steps + warmup):
+        start = time.perf_counter()
+        opt.zero_grad()
+        for mb in ids.chunk(m):
+            (model(input_ids=mb, labels=mb).loss / m).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor]) -> list[float]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank = dist.get_rank()
+    part = _Stage(_llama(shape), rank == 0)
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-4)
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    m = SHAPES[shape][6]
+    sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, n_microbatches=m, loss_fn=_hf_loss)
+    times = []
+    for ids in batches:
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(ids)
+        else:
+            sched.step(target=ids, losses=[])
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]) -> tuple[list[float], str]:
+    import smp.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": SHAPES[shape][6], **extra})
+    model = smp.DistributedModel(_llama(shape))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    times = []
+    for ids in batches:
+        smp.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        train_step(model, ids)
+        opt.step()
+        times.append(time.perf_counter() - start)
+    from smp.state import current
+
+    plan = next(iter(model.plans.values())) if model.plans else None
+    decided = current().cfg.pipeline
+    rank1 = sorted(p for p, r in model.partition_assignment.items() if r == 1 and p.count(".") <= 2)
+    smp.reset()
+    return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {_compact(rank1)}"
+
+
+def _compact(paths: list[str]) -> str:
+    layers = sorted(int(p.rsplit(".", 1)[1]) for p in paths if p.startswith("model.layers.") and p.count(".") == 2)
+    others = [p for p in paths if not p.startswith("model.layers") and p != "model"]
+    return (f"layers {layers[0]}-{layers[-1]}" if layers else "") + (", " + ", ".join(others) if others else "")
+
+
+def launch(shape: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """One rank of the paired launch: every row, round after round; the slower rank's steps come back."""
+    import torch.distributed as dist
+    from smp.torch.runtime import affinity
+    from smp.torch.runtime.heap import keep_freed_memory, share_heap
+
+    torch.set_num_threads(1)
+    share_heap()
+    keep_freed_memory()
+    dist.init_process_group("gloo", init_method="file://" + os.environ["SMP_RENDEZVOUS_FILE"],
+                            rank=int(os.environ["RANK"]), world_size=2)
+    affinity.bind(dist.get_rank(), 2)  # smp.init leaves an existing binding as it is
+    out: dict[str, Any] = {row: [] for row in ROWS}
+    notes: dict[str, str] = {}
+    for _ in range(rounds):
+        for row in ROWS:
+            batches = _batches(shape, steps + warmup)
+            if row.startswith("torch"):
+                times = _torch_row(shape, "1f1b" if "1F1B" in row else "gpipe", batches)
+            else:
+                times, notes[row] = _smp_row(shape, BEST if row == "smp best" else {}, batches)
+            slower = torch.tensor(times[warmup:])
+            dist.all_reduce(slower, op=dist.ReduceOp.MAX)
+            out[row].append(statistics.median(slower.tolist()))
+    out["notes"] = notes
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="all", help="all, or names of SHAPES separated by commas")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    table = Table(f"Hugging Face Llama shapes, 2 ranks, {args.rounds} paired rounds (ratios to torch 1F1B of the "
+                  "same round: median and range)",
+                  ["shape", "1 process ms", "ms per microbatch per stage", *[f"{r} ms" for r in ROWS],
+                   "smp defaults / 1F1B", "smp best / 1F1B", "torch GPipe / 1F1B", "smp's decisions"])
+    print(table.markdown(), flush=True)
+    rows = []
+    for shape in shapes:
+        one = single(shape, args.steps, args.warmup)
+        per_mb = one / SHAPES[shape][6] / 2
+        got = run_ranks(launch, 2, args=(shape, args.rounds, args.steps, args.warmup), timeout=3600,
+                        env={"OMP_NUM_THREADS": "1"})[0]
+        ratio = {r: [t / b for t, b in zip(got[r], got["torch 1F1B"])] for r in ROWS}
+        cells = [f"{statistics.median(got[r]) * 1e3:.0f} ({_spread([t * 1e3 for t in got[r]])})" for r in ROWS]
+        ratios = [f"{statistics.median(ratio[r]):.2f} ({_spread(ratio[r])})"
+                  for r in ("smp defaults", "smp best", "torch GPipe")]
+        notes = "; ".join(f"{k}: {v}" for k, v in got["notes"].items())
+        table.add(shape, f"{one * 1e3:.0f}", f"{per_mb * 1e3:.1f}", *cells, *ratios, notes)
+        print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+        rows.append({"shape": shape, "dims": SHAPES[shape], "single_ms": one * 1e3, "per_microbatch_stage_ms":
+                     per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
+                     **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"]})
+    headline = []
+    if rows:
+        worst = max(statistics.median(r["smp defaults / 1F1B"]) for r in rows)
+        headline.append({"what": "smp defaults / torch 1F1B, HF Llama shapes (labels=, AdamW in the step; worst "
+                                 "shape's median over paired rounds)", "value": f"{worst:.2f}x"})
+    write_record("bench_sweep", rows, {"shapes": shapes, "rounds": args.rounds, "steps": args.steps,
+                                       "warmup": args.warmup, "vocab": VOCAB, "best": BEST},
+                 tables=[table], headline=headline)
+
+
+if __name__ == "__main__":
+    main()
