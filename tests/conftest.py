@@ -12,6 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# Tests measure: the automatic partition traces in every launch unless a test turns the records of
+# traced costs on with a directory of its own (frontends/torch/partitioning/record.py).
+os.environ.setdefault("SMP_PARTITION_CACHE", "off")
+
 # Strict skips (SMP_TEST_STRICT_SKIPS=1, set by scripts/test.sh and so by CI): a skip for a missing
 # dependency that requirements/dev.txt provides fails the run; see tests/helpers/strict_skips.py.
 from tests.helpers.strict_skips import (  # noqa: E402,F401 - hooks, found by name

@@ -33,6 +33,7 @@ from smp.structure import map_structure
 
 from .errors import StepFunctionCalledError
 from .model.interface import RecordedStep, StepModel
+from .partitioning import record
 from .step_output import StepOutput, TorchStepOps
 
 __all__ = ["StepOutput", "step"]
@@ -49,6 +50,7 @@ class StepFunction:
         self.func = func
         self.spec = StepSpec.from_function(func, non_split_inputs, input_split_axes)
         self.detach_outputs = detach_outputs
+        self.record_key: str | None = None  # of the records of this step's durations (partitioning/record.py)
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +66,11 @@ class StepFunction:
             results = [self.func(*a, **k) for a, k in parts]
             return aggregate_outputs(results, _OPS, StepOutput)
         a0, k0 = parts[0]
-        with model.step_scope(lambda: self.func(*a0, **k0)):
+        # A partial: the records' key (partitioning/record.py) reads the step function and the input shapes.
+        first = functools.partial(self.func, *a0, **k0)
+        if id(self) not in model.plans and model.pp_rank == 0 and record.cache_dir() is not None:
+            self.record_key = record.fingerprint(getattr(model, "module", model), cfg, first)
+        with model.step_scope(first):
             results = self._run(model, cfg, parts)
         model.after_step()
         if self.detach_outputs:
@@ -119,12 +125,13 @@ class StepFunction:
             if recorded.planned == _MEASURE_AGAIN:
                 # Note [costs measured again]: the recording step ran one microbatch at a time; a
                 # planned step runs them side by side, and its durations are what the plan meets.
-                recorded.costs = segment_costs(recorded.chain, _durations(engine, cfg)) or recorded.costs
+                recorded.costs = segment_costs(recorded.chain, _durations(engine, cfg, self, "planned",
+                                                                          recorded.chain)) or recorded.costs
                 recorded.plan = None
         if recorded is None and info is not None:
             # The dynamic rules (interleaved, simple) become static plans by simulating them with
             # the costs measured on this first step (every pipeline rank shares its durations).
-            per_rank = _durations(engine, cfg)
+            per_rank = _durations(engine, cfg, self, "recording", list(info["chain"]))
             # Light actions would issue TP collectives from a second thread, in an order that
             # differs between peers: with TP every action takes the baton.
             engine.mark_light(per_rank[model.pp_rank] if cfg.tensor_parallel_degree == 1 else {})
@@ -157,17 +164,26 @@ class StepFunction:
 _MEASURE_AGAIN = 1
 
 
-def _durations(engine: Any, cfg: Any) -> list[dict[tuple[str, int], float]]:
+def _durations(engine: Any, cfg: Any, step_function: Any, when: str, chain: list[int]) -> list[dict[tuple[str, int], float]]:
     """Every pipeline rank's median (kind, ordinal) action durations of the step that just ran.
 
     TP peers sit in different pipelines and meet in collectives inside their actions: they must
-    run the very same order, so all of them use tp_rank 0's measurements.
+    run the very same order, so all of them use tp_rank 0's measurements. Where an earlier launch
+    of the same model and configuration recorded the durations of this step (``when``: "recording"
+    or "planned"), those are used instead, so the plan is the same as in that launch
+    (partitioning/record.py); otherwise the pipeline's leader records these.
     """
     from .runtime.comm import PP_GROUP, TP_GROUP, allgather
 
     per_rank = allgather(engine.durations(engine.events), PP_GROUP)
+    key = getattr(step_function, "record_key", None)  # set on pp_rank 0 only, where records are kept
+    recorded = allgather(record.load_durations(key, when, chain) if key else None, PP_GROUP)[0]
     if cfg.tensor_parallel_degree > 1:
-        per_rank = allgather(per_rank, TP_GROUP)[0]
+        per_rank, recorded = allgather((per_rank, recorded), TP_GROUP)[0]
+    if recorded is not None and len(recorded) == len(per_rank):
+        return recorded
+    if key:
+        record.save_durations(key, when, chain, per_rank)
     return per_rank
 
 

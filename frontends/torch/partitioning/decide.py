@@ -1,8 +1,9 @@
 """The partition decision: which pipeline rank owns each module (module path -> pp_rank).
 
 Three sources, in this order: the partition a checkpoint was saved with; automatic partitioning
-(global rank 0 traces one microbatch, the core partitions the lowered module tree, the decision
-is broadcast); manual scopes (``smp.partition``, ``smp.set_partition``, ``default_partition``).
+(global rank 0 traces one microbatch, or reads the costs an earlier launch of the same model and
+configuration traced (record.py), the core partitions the lowered module tree, the decision is
+broadcast); manual scopes (``smp.partition``, ``smp.set_partition``, ``default_partition``).
 The decision is data; applying it (freeing storage, dispatch, DP broadcast) is the model's job.
 """
 
@@ -20,6 +21,7 @@ from smp.errors import PartitionMemoryError, SMPError
 from smp.partition import MemoryBudget, PartitionReport, format_bytes
 from smp.partition.report import memory_fixes
 
+from . import record
 from .scopes import manual_scopes
 from .trace import auto_partition, in_flight, lower, rehome_sequential_stateless, rehome_split_layers, trace
 
@@ -38,6 +40,24 @@ def check_saved_partition(module: nn.Module, assignment: dict[str, int],
                        f"model has (only in the checkpoint: {extra[:5]}, only in the model: {missing[:5]}). "
                        f"Fix: build the same model as the one that was saved")
     return dict(assignment)
+
+
+def _traced(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
+            tracing: Callable[[], AbstractContextManager[Any]],
+            traced_backward: Callable[[], list[tuple[Any, Any]]] | None) -> Any:
+    """The trace of ``module``: recorded by an earlier launch of the same model and configuration, or made now."""
+    key = record.fingerprint(module, cfg, first_microbatch) if record.cache_dir() is not None else ""
+    found = record.load(key) if key else None
+    if found is not None:
+        logger.info("automatic partition: the costs traced by an earlier launch of this model, step and "
+                    "configuration are reused (%s; SMP_PARTITION_CACHE=off traces again)", found[1])
+        return found[0]
+    with tracing():
+        tp = getattr(cfg, "tensor_parallel_degree", 1)
+        tr = trace(module, first_microbatch, backward=traced_backward if tp == 1 else None)
+    if key:
+        record.save(key, tr)
+    return tr
 
 
 def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
@@ -74,9 +94,7 @@ def decide_partition(module: nn.Module, cfg: Any, first_microbatch: Callable[[],
             logger.info("automatic partition: parameters are delayed (meta), so the model is not "
                         "traced; the partition follows parameter sizes and module counts")
         if not cfg.skip_tracing and not delayed:
-            with tracing():
-                tp = getattr(cfg, "tensor_parallel_degree", 1)
-                tr = trace(module, first_microbatch, backward=traced_backward if tp == 1 else None)
+            tr = _traced(module, cfg, first_microbatch, tracing, traced_backward)
         tree = lower(module, tr)
         try:
             part = auto_partition(tree, cfg)

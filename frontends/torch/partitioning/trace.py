@@ -34,6 +34,8 @@ from smp.partition import (
 )
 from smp.structure import leaves
 
+from .twins import equalize_twins
+
 logger = logging.getLogger("smp")
 
 
@@ -163,7 +165,7 @@ def trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool = True,
     v1 traced without grad: forward times only). A forward that runs out of memory with grad on
     is traced again without, and a backward that fails (out of memory, a loss without grad) leaves
     forward times only; either says so in the log. After a warm-up, the microbatch runs
-    `_REPEATS` times and each time is the fastest. The model's buffers (BatchNorm statistics) and
+    `_REPEATS` times and each time is the fastest; identical layers then share one time (twins.py). The model's buffers (BatchNorm statistics) and
     the random number generators are as they were before: tracing changes no numbers of training.
     """
     buffers = [(b, b.detach().clone()) for b in root.buffers()]
@@ -188,7 +190,7 @@ def _trace(root: nn.Module, run: Callable[[], Any], *, measure_time: bool,
         if tr is None:  # out of memory with grad: forward times only
             return _trace(root, run, measure_time=measure_time, backward=None)
         runs.append(tr)
-    return _fastest(runs)
+    return equalize_twins(root, _fastest(runs))  # repeated layers: one time for all their copies (twins.py)
 
 
 def _fastest(runs: list[Trace]) -> Trace:
