@@ -27,7 +27,7 @@ import torch
 import smp.state as smp_state
 from smp.errors import NotInitializedError, SMPError
 from smp.pipeline.baton import Baton
-from smp.pipeline.choose import rank_plan, segment_costs
+from smp.pipeline.choose import fastest_schedule, rank_plan, segment_costs
 from smp.step import StepSpec, aggregate_outputs, split_arguments
 from smp.structure import map_structure
 
@@ -89,7 +89,7 @@ class StepFunction:
         if recorded is not None and recorded.static:
             if recorded.plan is None:
                 try:
-                    recorded.plan = rank_plan(cfg.pipeline_section(), recorded.chain, recorded.backward,
+                    recorded.plan = rank_plan(self._section(cfg, recorded), recorded.chain, recorded.backward,
                                               model.pp_rank, engine.light, recorded.costs,
                                               forward_active=cfg.active_microbatches,
                                               split_weights=cfg.tensor_parallel_degree == 1)
@@ -146,9 +146,29 @@ class StepFunction:
                                "SMP v1's dynamic order is used for it", self.func.__name__,
                                "->".join(map(str, info["trail"][len(chain):])), "->".join(map(str, chain)))
             if smp_state.current().rank == 0:
-                logger.info("step %s: microbatch chain %s; later steps follow the %r plan",
-                            self.func.__name__, "->".join(map(str, info["chain"])), cfg.pipeline)
+                plan = f"the {cfg.pipeline!r} plan" if "pipeline" in cfg.given else "a static plan"
+                logger.info("step %s: microbatch chain %s; later steps follow %s", self.func.__name__,
+                            "->".join(map(str, info["chain"])), plan)
         return results
+
+    def _section(self, cfg: Any, recorded: RecordedStep) -> Any:
+        """The pipeline section of the plan: the user's ``pipeline``, or (none set) the simulator's fastest.
+
+        Without a ``pipeline`` key, the candidates (`smp.pipeline.choose.DEFAULT_CANDIDATES`: SMP v1's
+        interleaved order and the schedules that hold no more microbatches than it) are simulated
+        with the costs measured on this model and the fastest is planned; the numbers of training
+        are the same under every plan. The costs are shared by the pipeline's ranks, so all pick alike.
+        """
+        section = cfg.pipeline_section()
+        if "pipeline" in cfg.given or recorded.costs is None or not recorded.backward:
+            return section
+        best, makespans = fastest_schedule(section, recorded.chain, recorded.costs,
+                                           split_weights=cfg.tensor_parallel_degree == 1)
+        if smp_state.current().rank == 0 and makespans:
+            logger.info("step %s: no pipeline set; the plan is %r, the fastest in smp's simulator with the measured "
+                        "costs (%s per step; set pipeline to choose)", self.func.__name__, best.schedule,
+                        ", ".join(f"{name} {t * 1e3:.0f} ms" for name, t in makespans.items()))
+        return best
 
 
 # Note [costs measured again]: the static plan is built from the durations of the recording step,

@@ -24,15 +24,18 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from smp.config import PipelineSection
+from smp.errors import ScheduleError
 from smp.pipeline.costs import Costs
 from smp.pipeline.registry import build_plan
+from smp.pipeline.simulate import simulate
 from smp.pipeline.weights import cooldown_weights
 
-__all__ = ["RankPlan", "rank_plan", "segment_costs", "splits"]
+__all__ = ["DEFAULT_CANDIDATES", "RankPlan", "fastest_schedule", "rank_plan", "segment_costs", "splits"]
 
 Step = tuple[str, int]
 
@@ -124,3 +127,48 @@ def segment_costs(chain: Sequence[int], per_rank: Sequence[Mapping[tuple[str, in
         forward.append(max(f, 1e-6))
         backward.append(max(b, 1e-6))
     return Costs(forward=forward, backward=backward, backward_weight=[b / 2 for b in backward])
+
+
+# The schedules smp may pick when the user sets no ``pipeline``: SMP v1's default and the two whose
+# activations in flight never exceed it (1F1B and ZB-H1 hold at most p microbatches, interleaved up
+# to p + 2), so the choice never costs memory the partition did not plan for.
+DEFAULT_CANDIDATES = ("interleaved", "1f1b", "zb_h1")
+_SMP_V1 = ("simple", "interleaved", "_only_forward")
+
+
+def fastest_schedule(section: PipelineSection, chain: Sequence[int], costs: Costs,
+                     candidates: Sequence[str] = DEFAULT_CANDIDATES, *,
+                     split_weights: bool = False) -> tuple[PipelineSection, dict[str, float]]:
+    """The section of the candidate schedule whose plan the simulator finishes first, and every makespan.
+
+    Every candidate is planned for ``chain`` and simulated with the measured ``costs``, as the
+    executor will run it (`cooldown_weights` where ``split_weights``); the first of the fastest
+    wins a tie (the order of ``candidates``), and a schedule that cannot be built for the chain
+    (a V chain for 1F1B) is left out. The costs are the same on every pipeline rank, so every
+    rank picks the same schedule.
+
+    Example:
+        >>> from smp.config import PipelineSection
+        >>> section = PipelineSection(2, 8, 4, "interleaved", 1)
+        >>> costs = Costs(forward=[1.0, 1.0], backward=[2.0, 2.0], backward_weight=[1.0, 1.0])
+        >>> best, times = fastest_schedule(section, [0, 1], costs, split_weights=True)
+        >>> best.schedule, sorted(times)
+        ('zb_h1', ['1f1b', 'interleaved', 'zb_h1'])
+    """
+    makespans: dict[str, float] = {}
+    sections: dict[str, PipelineSection] = {}
+    for name in candidates:
+        active = section.active_microbatches if name in _SMP_V1 else None
+        candidate = dataclasses.replace(section, schedule=name, active_microbatches=active)
+        try:
+            plan = build_plan(name, section.num_stages, section.num_microbatches, chain=chain,
+                              active_microbatches=active, costs=costs)
+            plan = cooldown_weights(plan, {r for r in plan.actions if split_weights and splits(chain, r)}, costs)
+            makespans[name] = simulate(plan, costs).makespan
+        except ScheduleError:
+            continue
+        sections[name] = candidate
+    if not makespans:
+        return section, makespans
+    best = min(makespans, key=lambda n: (makespans[n], list(candidates).index(n)))
+    return sections[best], makespans

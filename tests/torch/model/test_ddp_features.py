@@ -89,13 +89,15 @@ def test_step_timeline_is_the_last_step_measured_on_every_rank() -> None:
     assert out["num_ranks"] == 2
     for rank in (0, 1):  # one lane per rank, each microbatch's forward and backward in it
         kinds = {(k, mb) for r, k, mb, _, _ in events if r == rank}
-        assert kinds == {(k, mb) for k in "FB" for mb in range(4)}, (rank, kinds)
+        # (and weight gradients apart on rank 1 where the default's pick is a zero-bubble plan)
+        assert {(k, mb) for k in "FB" for mb in range(4)} <= kinds <= {(k, mb) for k in "FBW" for mb in range(4)}, \
+            (rank, kinds)
     assert all(0 <= s <= e for _, _, _, s, e in events)
     assert min(s for _, _, _, s, _ in events) == 0.0  # relative to the step's first action
     span = max(e for _, _, _, _, e in events)
     assert span <= out["wall_ms"], f"the timeline spans {span:.1f} ms, more than the last step took"
     # The same actions as the first step (one step's worth), not the two steps together.
-    assert sorted((r, k, mb) for r, k, mb, _, _ in events) == sorted(out["first"])
+    assert sorted((r, k, mb) for r, k, mb, _, _ in events if k != "W") == sorted(out["first"])
     for mb in range(4):  # causal order: 0F before 1F before 1B before the leader's last B
         first_f0 = min(s for r, k, m, s, _ in events if (r, k, m) == (0, "F", mb))
         f1 = [(s, e) for r, k, m, s, e in events if (r, k, m) == (1, "F", mb)]
