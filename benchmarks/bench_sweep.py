@@ -161,7 +161,7 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]) -> 
     from smp.state import current
 
     plan = next(iter(model.plans.values())) if model.plans else None
-    decided = current().cfg.pipeline
+    decided = (plan.schedule if plan is not None else "") or current().cfg.pipeline
     rank1 = sorted(p for p, r in model.partition_assignment.items() if r == 1 and p.count(".") <= 2)
     smp.reset()
     return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {_compact(rank1)}"

@@ -89,7 +89,9 @@ class StepFunction:
         if recorded is not None and recorded.static:
             if recorded.plan is None:
                 try:
-                    recorded.plan = rank_plan(self._section(cfg, recorded), recorded.chain, recorded.backward,
+                    section = self._section(cfg, recorded)
+                    recorded.schedule = section.schedule
+                    recorded.plan = rank_plan(section, recorded.chain, recorded.backward,
                                               model.pp_rank, engine.light, recorded.costs,
                                               forward_active=cfg.active_microbatches,
                                               split_weights=cfg.tensor_parallel_degree == 1)

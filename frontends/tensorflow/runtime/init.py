@@ -40,7 +40,7 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import failure
-from .mpi import all_true, wait_request
+from .mpi import all_true, set_backoff, wait_request
 from .store import MPIStore
 from .transport import Transport
 
@@ -194,6 +194,7 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
 
         install_for_session()
     rt.overlap = all_true(rt.comm, overlap_requested(), f"agreeing on {OVERLAP_ENV} (overlap mode)")
+    set_backoff(rt.overlap)
     _size_inter_op_pool(rt.overlap)
     if launch.rank == 0:
         for note in cfg.notes:

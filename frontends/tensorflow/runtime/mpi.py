@@ -26,12 +26,20 @@ from smp.runtime import failure as core_failure
 
 from .failure import note_wait_error
 
-__all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "poll", "wait_request"]
+__all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "poll", "set_backoff", "wait_request"]
 
 _ABANDONED: list[tuple[Any, Any]] = []
 _CHECK_EVERY_S = 0.05  # failure record and heartbeats, as often as the core checks them
 _SPIN_S = 0.0005  # test without pausing this long: a reply already on its way
 _PAUSE_S = 0.00005
+_BACKOFF_S = 0.002  # with overlap, a long wait backs off to pauses this long: see `poll`
+_max_pause_s = _PAUSE_S  # set by `set_backoff` (smp.init)
+
+
+def set_backoff(overlap: bool) -> None:
+    """Let long waits back off (overlap: each rank bound to its own core) or keep polling every 50 µs (lockstep)."""
+    global _max_pause_s
+    _max_pause_s = _BACKOFF_S if overlap else _PAUSE_S
 
 
 class RequestWork:
@@ -85,7 +93,13 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
     (right for gloo, whose own threads make progress). A 1 MiB allreduce over 2 ranks on the dev box:
     1.9 ms with this loop against 14 ms with the core's (load average 6), 8.1 against 16.4 ms
     (load 11, the two interleaved in one job). The cost of the short pause: a rank waiting 1 s used 0.065 s of CPU
-    (0.021 s with 1 ms pauses; measured with mpi4py on the dev box). The checks, the errors and
+    (0.021 s with 1 ms pauses; measured with mpi4py on the dev box). With overlap (`set_backoff`),
+    a wait that goes on doubles its pause up to 2 ms: there a receive waits for the peer's next
+    microbatch while another action computes on the same core, and 20,000 wake-ups a second took
+    that core from it (``benchmarks/tf_pipeline.py``'s model, 2 ranks bound to a core each: 150 ->
+    133 ms per step at 64 rows, 114-121 -> 102-106 at 16; every action ran 10-40 % shorter).
+    Lockstep keeps the short pause: the waiting rank has nothing else to run, and on an unbound
+    pair of ranks the backoff cost 5-15 %. The checks, the errors and
     their texts are the core's (`check_peers`, `timeout_error`, the heartbeat's activity), as in
     `smp.runtime.failure.wait`; a ``max_pause`` option there would let this function go.
     """
@@ -98,6 +112,7 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
     try:
         start = time.monotonic()
         next_check = start + _CHECK_EVERY_S
+        pause = _PAUSE_S
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
@@ -106,7 +121,8 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
             if now - start > limit:
                 raise core_failure.timeout_error(what, ranks, limit)
             if now - start > _SPIN_S:
-                time.sleep(_PAUSE_S)  # lets the other ranks (and TF's threads) have the core
+                time.sleep(pause)  # lets the other ranks (and TF's threads) have the core
+                pause = min(2 * pause, _max_pause_s)
     except (RemoteRankError, CommTimeoutError) as e:
         note_wait_error(e)  # TF may hide it behind its own error: failure.py's Note [errors inside TF ops]
         raise

@@ -36,6 +36,7 @@ class RecordedStep:
         planned: steps run on a static plan so far (the costs are measured again once, see step.py).
         plan: this rank's plan for the current costs (built once, not on every step), or the
             error that stopped it.
+        schedule: the schedule of that plan (the config's ``pipeline``, or the one smp picked).
     """
 
     chain: list[int]
@@ -45,6 +46,7 @@ class RecordedStep:
     seconds: float = 0.0
     planned: int = 0
     plan: Any = None
+    schedule: str = ""
 
 
 class StepModel(Protocol):
