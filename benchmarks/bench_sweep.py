@@ -235,10 +235,12 @@ def main() -> None:
                      per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
                      **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"]})
     headline = []
-    if rows:
-        worst = max(statistics.median(r["smp defaults / 1F1B"]) for r in rows)
-        headline.append({"what": "smp defaults / torch 1F1B, HF Llama shapes (labels=, AdamW in the step; worst "
-                                 "shape's median over paired rounds)", "value": f"{worst:.2f}x"})
+    for row in ("smp defaults", "smp best"):
+        per_shape = [f"{statistics.median(r[f'{row} / 1F1B']):.2f} ({_spread(r[f'{row} / 1F1B'])})" for r in rows]
+        if per_shape:
+            headline.append({"what": f"HF Llama step time, {row} / torch 1F1B, per shape ({', '.join(shapes)}; labels=, "
+                                     f"AdamW in the step; median and range over {args.rounds} paired rounds)",
+                             "value": " / ".join(per_shape)})
     write_record("bench_sweep", rows, {"shapes": shapes, "rounds": args.rounds, "steps": args.steps,
                                        "warmup": args.warmup, "vocab": VOCAB, "best": BEST},
                  tables=[table], headline=headline)

@@ -210,6 +210,22 @@ def test_a_rank_killed_on_one_node_is_named_on_the_other_within_seconds() -> Non
     print(f"SIGKILL on node {1 - survivor}: the other node's agent ended {ended - fault_at:.1f} s later")
 
 
+def test_pp2_dp2_a_rank_killed_on_one_node_is_named_by_both_ranks_of_the_other() -> None:
+    # Rank 3 (pp_rank 1 of the second replica) dies; ranks 0 and 1 run on the other agent. Rank 1
+    # watches it (its DP peer); rank 0 learns it from the failure record.
+    results = two_torchrun_agents(2, ["--layouts", "pp2dp2", "--kill", "3"])
+    everything = "".join(out for _, out, _ in results)
+    m = re.search(rf"{FAULT_AT} ([0-9.]+)", everything)
+    assert m, _dump(results)
+    survivor = next(i for i, (_, out, _) in enumerate(results) if re.search(r"rank 0 agent node\d", out))
+    code, out, ended = results[survivor]
+    assert code not in (0, None), _dump(results)
+    named = re.findall(r"\[rank([01])\]:.*PeerLostError: rank 3 \(pp_rank 1, tp_rank 0, rdp_rank 1; pid \d+ on host", out)
+    assert sorted(set(named)) == ["0", "1"], _dump(results)
+    assert ended - float(m.group(1)) < 20, _dump(results)
+    print(f"SIGKILL of rank 3: the other node's agent ended {ended - float(m.group(1)):.1f} s later")
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec", path=BIN) is None, reason="mpiexec (mpich wheel) not installed")
 def test_mpiexec_with_two_host_entries_pp2_dp2_matches_one_process() -> None:
