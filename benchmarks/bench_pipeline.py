@@ -114,7 +114,7 @@ class _GPTSecond(nn.Module):
 
 
 class _LlamaLayers(nn.Module):
-    """Decoder layers as ``LlamaModel.forward`` calls them; rotary embeddings recomputed from positions.
+    """Half of the decoder layers as ``LlamaModel.forward`` calls them; rotary embeddings recomputed from positions.
 
     ``attention_mask=None`` with SDPA and no padding makes attention causal through ``is_causal``,
     which is what ``LlamaModel`` itself does for unpadded input.
@@ -122,9 +122,9 @@ class _LlamaLayers(nn.Module):
 
     def __init__(self, hf: Any, first: bool) -> None:
         super().__init__()
-        body = hf.model
+        body, cut = hf.model, len(hf.model.layers) // 2
         self.rotary = body.rotary_emb
-        self.layers = body.layers[:CUT] if first else body.layers[CUT:]
+        self.layers = body.layers[:cut] if first else body.layers[cut:]
         self.embed = body.embed_tokens if first else None
         self.norm = None if first else body.norm
         self.lm_head = None if first else hf.lm_head

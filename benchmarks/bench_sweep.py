@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from bench_pipeline import _LlamaLayers as _Stage  # noqa: E402 - the hand cut's stages, as bench_pipeline's
 from records import Table, write_record  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -73,27 +74,6 @@ def _batches(shape: str, count: int) -> list[torch.Tensor]:
 def _hf_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """What ``LlamaForCausalLM`` computes from ``labels=ids``: next-token cross-entropy."""
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-
-
-class _Stage(nn.Module):
-    """Half of the decoder layers as ``LlamaModel.forward`` calls them (rotary embeddings from positions)."""
-
-    def __init__(self, hf: Any, first: bool) -> None:
-        super().__init__()
-        body, cut = hf.model, len(hf.model.layers) // 2
-        self.rotary = body.rotary_emb
-        self.layers = body.layers[:cut] if first else body.layers[cut:]
-        self.embed = body.embed_tokens if first else None
-        self.norm = None if first else body.norm
-        self.lm_head = None if first else hf.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        pe = self.rotary(h, position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
-        return h if self.norm is None else self.lm_head(self.norm(h))
 
 
 def single(shape: str, steps: int, warmup: int) -> float:

@@ -20,7 +20,11 @@ from tests.helpers.mpi_spawn import run_mpi_ranks
 pytestmark = pytest.mark.mpi
 
 
-def train_then_fail(stamp_dir: str) -> None:
+def train_then_fail(stamp_dir: str, faulty: int = 1, mode: str = "raise", **config: Any) -> None:
+    """pp2 MLP training (``config`` added: ``ddp`` for pp2 x dp2); rank ``faulty`` raises (or freezes:
+    ``mode="freeze"``) between steps 1 and 2 while the others are inside step 2."""
+    import signal
+
     import keras
     import numpy as np
     import smp.tensorflow as smp
@@ -29,7 +33,7 @@ def train_then_fail(stamp_dir: str) -> None:
     from .models import mlp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
-              "default_partition": 0, "comm_timeout": 60})
+              "default_partition": 0, "comm_timeout": 60, **config})
     keras.utils.set_random_seed(0)
     model = mlp(smp.DistributedModel, 2)()
     opt = keras.optimizers.Adam(1e-2)
@@ -47,15 +51,17 @@ def train_then_fail(stamp_dir: str) -> None:
         opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
         return loss.reduce_mean()
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(smp.dp_rank())
     x = tf.constant(rng.standard_normal((8, 6)).astype(np.float32))
     y = tf.constant(rng.integers(0, 4, (8,)).astype(np.int32))
     for step in range(3):
-        if step == 2 and smp.rank() == 1:
-            time.sleep(0.5)  # rank 0 is inside step 2, waiting on rank 1
+        if step == 2 and smp.rank() == faulty:
+            time.sleep(0.5)  # the others are inside step 2, waiting on this rank
             with open(os.path.join(stamp_dir, "fault"), "w") as f:
                 f.write(repr(time.time()))
-            raise ValueError("rank one fails between steps on purpose")
+            if mode == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise ValueError(f"rank {faulty} fails between steps on purpose")
         float(train_step(x, y))
 
 
@@ -64,10 +70,11 @@ def test_exception_on_a_follower_mid_training_ends_every_rank_naming_it(tmp_path
     with open(os.path.join(str(tmp_path), "fault")) as f:
         took = time.time() - float(f.read())
     rank0, rank1 = run.outcomes
-    assert rank1.status == "error" and "ValueError: rank one fails between steps on purpose" in rank1.traceback
+    assert rank1.status == "error" and "ValueError: rank 1 fails between steps on purpose" in rank1.traceback
     assert rank0.status == "error", rank0
-    assert re.search(r"RemoteRankError: rank 1 \(pp_rank 1, rdp_rank 0; pid \d+ on host .+\) failed:", rank0.traceback), rank0.traceback
-    assert "rank one fails between steps on purpose" in rank0.traceback  # with rank 1's traceback
+    assert re.search(r"RemoteRankError: rank 1 \(pp_rank 1, rdp_rank 0; pid \d+ on host .+\) failed:",
+                     rank0.traceback), rank0.traceback
+    assert "rank 1 fails between steps on purpose" in rank0.traceback  # with rank 1's traceback
     assert "[smp rank 0] ERROR stopping: rank 1 failed (RemoteRankError)" in run.output, run.tail()
     assert not run.killed and run.returncode != 0, (run.returncode, run.tail())
     assert took < 15, f"the job ended {took:.1f} s after rank 1 raised"

@@ -15,7 +15,6 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 from tests.helpers.mpi_spawn import run_mpi_ranks
@@ -60,49 +59,12 @@ def test_pp2_dp2_across_two_hosts_matches_one_process(tmp_path: Any) -> None:
     assert all(g["smp_in_tmp"] == [] for g in got)  # the job's store is no directory
 
 
-def failing_on_host_b(root: str, mode: str) -> str:
-    """pp2 x dp2 training; rank 3 (on hostb) raises or freezes between steps while the others are in the next."""
-    import signal
-
-    import keras
-    import smp.tensorflow as smp
-    import tensorflow as tf
-
-    from ..model.models import mlp
+def failing_on_host_b(root: str, mode: str) -> None:
+    """pp2 x dp2 training; rank 3 (pp_rank 1 of the second replica, on hostb) raises or freezes between steps."""
+    from ..model.test_failure import train_then_fail
 
     _private_tmp(root)
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "auto_partition": False,
-              "default_partition": 0, "comm_timeout": 60})
-    keras.utils.set_random_seed(0)
-    model = mlp(smp.DistributedModel, 2)()
-    opt = keras.optimizers.Adam(1e-2)
-    loss_obj = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @smp.step
-    def get_grads(x: Any, y: Any) -> Any:
-        with tf.GradientTape() as tape:
-            loss = loss_obj(y, model(x))
-        return tape.gradient(loss, model.trainable_variables), loss
-
-    @tf.function
-    def train_step(x: Any, y: Any) -> Any:
-        grads, loss = get_grads(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
-
-    rng = np.random.default_rng(smp.dp_rank())
-    x = tf.constant(rng.standard_normal((8, 6)).astype(np.float32))
-    y = tf.constant(rng.integers(0, 4, (8,)).astype(np.int32))
-    for step in range(3):
-        if step == 2 and smp.rank() == 3:  # pp_rank 1 of the second replica, on hostb
-            time.sleep(0.5)  # the others are inside step 2, waiting on it
-            with open(os.path.join(root, "fault_at"), "w") as f:
-                f.write(repr(time.time()))
-            if mode == "raise":
-                raise ValueError("rank three fails on purpose")
-            os.kill(os.getpid(), signal.SIGSTOP)
-        float(train_step(x, y))
-    return "finished"
+    train_then_fail(root, faulty=3, mode=mode, ddp=True)
 
 
 @pytest.mark.parametrize("mode", ["raise", "freeze"])
@@ -110,7 +72,7 @@ def test_a_failure_on_one_host_is_named_on_every_rank_without_a_shared_directory
     env = {"SMP_PEER_DEAD_AFTER_S": "2", "SMP_EXIT_GRACE_S": "2"} if mode == "freeze" else None
     run = run_mpi_ranks(failing_on_host_b, 4, args=(str(tmp_path), mode), timeout=120, expect_failure=True,
                         mpiexec_args=TWO_HOSTS, env=env)
-    took = time.time() - float((tmp_path / "fault_at").read_text())
+    took = time.time() - float((tmp_path / "fault").read_text())
     error = "RemoteRankError" if mode == "raise" else "PeerLostError"
     # Rank 3 names itself with its host; every survivor on either host names rank 3 (with its pid and host).
     named = re.compile(rf"{error}: rank 3 \(pp_rank 1, rdp_rank 1; pid \d+ on host [^)]+\) (failed|is gone)")
@@ -122,7 +84,7 @@ def test_a_failure_on_one_host_is_named_on_every_rank_without_a_shared_directory
     assert reported, run.tail()
     assert len(re.findall(r"\[smp rank [012]\] ERROR stopping: rank 3 failed", run.output)) >= len(reported)
     if mode == "raise":
-        assert "ValueError: rank three fails on purpose" in run.outcomes[3].traceback
+        assert "ValueError: rank 3 fails between steps on purpose" in run.outcomes[3].traceback
         assert all(o.status == "error" for o in run.outcomes), run.tail()
     assert not run.killed and run.returncode != 0, (run.returncode, run.tail())
     assert took < 10, f"the job ended {took:.1f} s after rank 3's fault"

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.torch.runtime.test_fault_matrix import _collect
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BIN = os.path.dirname(sys.executable)
 LAYOUTS = {"pp2dp2": {"pipeline_parallel_degree": 2}, "tp2pp2": {"pipeline_parallel_degree": 2,
@@ -143,28 +145,8 @@ def two_torchrun_agents(nproc: int, args: list[str], timeout: float = 240.0) -> 
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int | None, str, float]]:
-    import threading
-
-    outs: list[list[str]] = [[] for _ in procs]
-    readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout or []), daemon=True)
-               for p, o in zip(procs, outs)]
-    for t in readers:
-        t.start()
-    ended: dict[int, float] = {}
-    deadline = time.monotonic() + timeout
-    while len(ended) < len(procs) and time.monotonic() < deadline:
-        for i, p in enumerate(procs):
-            if i not in ended and p.poll() is not None:
-                ended[i] = time.time()
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    for t in readers:
-        t.join(timeout=5)
-    return [(p.returncode if i in ended else None, "".join(o), ended.get(i, float("nan")))
-            for i, (p, o) in enumerate(zip(procs, outs))]
+    """(exit, output, end time) of each launcher; the ones still running after ``timeout`` are killed."""
+    return [(r.code, r.out, r.ended) for r in _collect(procs, timeout)]
 
 
 def _dump(results: list[tuple[int | None, str, float]]) -> str:
