@@ -141,7 +141,26 @@ def two_torchrun_agents(nproc: int, args: list[str], timeout: float = 240.0) -> 
                f"smp-test-{port}", "--max-restarts", "0", os.path.abspath(__file__), *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(SMP_TEST_AGENT=f"node{node}"), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        if node == 0:
+            _listening(port, 60.0)
     return _finish(procs, timeout)
+
+
+def _listening(port: int, limit: float) -> None:
+    """Wait until the first agent hosts the rendezvous store, as node0 of the endpoint does on a cluster.
+
+    Both agents run on this host, and either would take the endpoint's port otherwise: the one that
+    did is the store of the rendezvous, and when it is the second node's agent, killing that node
+    takes the first node's agent down with it before its ranks can say anything.
+    """
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"the first torchrun agent did not open its rendezvous port {port} within {limit:.0f} s")
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int | None, str, float]]:
@@ -193,8 +212,10 @@ def test_a_rank_killed_on_one_node_is_named_on_the_other_within_seconds() -> Non
 
 
 def test_pp2_dp2_a_rank_killed_on_one_node_is_named_by_both_ranks_of_the_other() -> None:
-    # Rank 3 (pp_rank 1 of the second replica) dies; ranks 0 and 1 run on the other agent. Rank 1
-    # watches it (its DP peer); rank 0 learns it from the failure record.
+    # Rank 3 (pp_rank 1 of the second replica) dies; its agent then stops rank 2 (SIGTERM), so the
+    # whole second node is gone. Ranks 0 and 1 run on the other agent and must both stop naming one
+    # rank of that node (the first the heartbeats find: rank 1 watches rank 3, rank 0 watches rank 2),
+    # the same rank on both (the failure record), with its host and pid.
     results = two_torchrun_agents(2, ["--layouts", "pp2dp2", "--kill", "3"])
     everything = "".join(out for _, out, _ in results)
     m = re.search(rf"{FAULT_AT} ([0-9.]+)", everything)
@@ -202,10 +223,12 @@ def test_pp2_dp2_a_rank_killed_on_one_node_is_named_by_both_ranks_of_the_other()
     survivor = next(i for i, (_, out, _) in enumerate(results) if re.search(r"rank 0 agent node\d", out))
     code, out, ended = results[survivor]
     assert code not in (0, None), _dump(results)
-    named = re.findall(r"\[rank([01])\]:.*PeerLostError: rank 3 \(pp_rank 1, tp_rank 0, rdp_rank 1; pid \d+ on host", out)
-    assert sorted(set(named)) == ["0", "1"], _dump(results)
+    named = re.findall(r"\[rank([01])\]:.*PeerLostError: rank ([23]) \(pp_rank [01], tp_rank 0, rdp_rank 1; pid \d+ "
+                       r"on host", out)
+    assert sorted({survivor for survivor, _ in named}) == ["0", "1"], _dump(results)
+    assert len({gone for _, gone in named}) == 1, named
     assert ended - float(m.group(1)) < 20, _dump(results)
-    print(f"SIGKILL of rank 3: the other node's agent ended {ended - float(m.group(1)):.1f} s later")
+    print(f"SIGKILL of rank 3: rank {named[0][1]} named; the other node's agent ended {ended - float(m.group(1)):.1f} s later")
 
 
 @pytest.mark.mpi
