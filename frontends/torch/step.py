@@ -70,6 +70,7 @@ class StepFunction:
         first = functools.partial(self.func, *a0, **k0)
         if id(self) not in model.plans and model.pp_rank == 0 and record.cache_dir() is not None:
             self.record_key = record.fingerprint(getattr(model, "module", model), cfg, first)
+            first.record_key = self.record_key  # type: ignore[attr-defined] - the partition reads it (decide.py)
         with model.step_scope(first):
             results = self._run(model, cfg, parts)
         model.after_step()

@@ -46,7 +46,7 @@ def _traced(module: nn.Module, cfg: Any, first_microbatch: Callable[[], Any],
             tracing: Callable[[], AbstractContextManager[Any]],
             traced_backward: Callable[[], list[tuple[Any, Any]]] | None) -> Any:
     """The trace of ``module``: recorded by an earlier launch of the same model and configuration, or made now."""
-    key = record.fingerprint(module, cfg, first_microbatch) if record.cache_dir() is not None else ""
+    key = getattr(first_microbatch, "record_key", None) or ""  # made by the step (step.py), once
     found = record.load(key) if key else None
     if found is not None:
         logger.info("automatic partition: the costs traced by an earlier launch of this model, step and "
