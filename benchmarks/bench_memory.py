@@ -19,7 +19,10 @@ Models (layers of a fixed width, the rest of each model fixed):
 - ``keras``: the TF demo's character transformer (``examples/tensorflow/train_keras.py``, width 512),
   4 vs 8 blocks, automatic partition.
 
-The median of ``--launches`` launches is taken for every figure. Then the line a user cares about
+The torch MLP runs twice at pp > 1: with smp's defaults (``optimize: "speed"``, whose heap keeps
+freed blocks for the next step) and with ``optimize: "memory"`` (large blocks go back to the kernel;
+see ``frontends/torch/runtime/heap.py``). The median of ``--launches`` launches is taken for every
+figure. Then the line a user cares about
 (``--limit``): the most ``mlp`` layers that train under a hard per-process limit on data memory
 (``RLIMIT_DATA``, set by each process before it imports anything), one process against pp 2 and
 pp 4, for torch (``--limit-frontends``): TensorFlow's allocations escape ``RLIMIT_DATA`` (a Keras
@@ -54,6 +57,7 @@ FRONTEND = {"mlp": ("torch", "tensorflow"), "gpt": ("torch",), "llama": ("torch"
 STEPS = 3
 MICROBATCHES = int(os.environ.get("SMP_BENCH_MICROBATCHES", "4"))
 LIMIT_ENV = "SMP_BENCH_DATA_LIMIT"
+OPTIMIZE_ENV = "SMP_BENCH_OPTIMIZE"
 
 
 # --- one process of a launch ---------------------------------------------------------------------
@@ -78,7 +82,8 @@ def _torch_child(model_name: str, layers: int, pp: int) -> dict[str, Any]:
         # Under the memory limit the model is built as a user builds one too big for a process:
         # with delayed parameter initialisation (no rank allocates what another owns).
         smp.init({"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES,
-                  "auto_partition": model_name != "mlp", "default_partition": 0})
+                  "auto_partition": model_name != "mlp", "default_partition": 0,
+                  "optimize": os.environ.get(OPTIMIZE_ENV, "speed")})
     base = _rss()
     torch.manual_seed(0)
     width = WIDTH[model_name]
@@ -245,7 +250,7 @@ def child(argv: list[str]) -> None:
 # --- launches --------------------------------------------------------------------------------------
 
 def launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | None = None,
-           timeout: float = 600) -> list[dict[str, Any]] | None:
+           timeout: float = 600, optimize: str = "speed") -> list[dict[str, Any]] | None:
     """One launch; each rank's figures by rank, or None when it failed (under ``limit``: out of memory)."""
     me = os.path.abspath(__file__)
     bin_dir = os.path.dirname(sys.executable)
@@ -259,7 +264,8 @@ def launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | No
                    str(_free_port()), me, *args]
         else:
             cmd = [os.path.join(bin_dir, "mpiexec"), "-n", str(pp), sys.executable, me, *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_LOG_LEVEL": "WARNING", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_LOG_LEVEL": "WARNING", "TF_CPP_MIN_LOG_LEVEL": "3",
+               OPTIMIZE_ENV: optimize}
         if limit is not None:
             env[LIMIT_ENV] = str(limit)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -283,11 +289,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(frontend: str, model_name: str, pp: int, launches: int) -> dict[str, Any]:
+def measure(frontend: str, model_name: str, pp: int, launches: int, optimize: str = "speed") -> dict[str, Any]:
     """Median peak and steady growth per rank of the small and the large model (``pp`` 0: one process)."""
     out: dict[str, Any] = {}
     for layers in LAYERS[model_name]:
-        runs = [launch(frontend, model_name, layers, pp) for _ in range(launches)]
+        runs = [launch(frontend, model_name, layers, pp, optimize=optimize) for _ in range(launches)]
         ranks = max(pp, 1)
         out[layers] = [{key: statistics.median(run[r][key] for run in runs if run) for key in ("peak", "steady")}
                        for r in range(ranks)]
@@ -363,15 +369,20 @@ def main(argv: list[str] | None = None) -> None:
             single = measure(frontend, model_name, 0, args.launches)
             base_peak = single[large][0]["peak"] - single[small][0]["peak"]
             base_steady = single[large][0]["steady"] - single[small][0]["steady"]
-            for pp in degrees:
-                got = measure(frontend, model_name, pp, args.launches)
+            # torch: smp's default heap (optimize: speed) and, for the MLP, optimize: memory (heap.py)
+            settings = [(pp, "speed") for pp in degrees] + [(pp, "memory") for pp in degrees if pp > 1 and frontend
+                                                            == "torch" and model_name == "mlp"]
+            for pp, optimize in settings:
+                got = measure(frontend, model_name, pp, args.launches, optimize)
+                label = frontend if optimize == "speed" else f"{frontend} (optimize: memory)"
                 shares = [((got[large][r]["peak"] - got[small][r]["peak"]) / base_peak,
                            (got[large][r]["steady"] - got[small][r]["steady"]) / base_steady) for r in range(pp)]
                 cells = "  ".join(f"{a:.2f} ({b:.2f})" for a, b in shares)
-                marginal.add(frontend, model_name, f"{small} -> {large}", pp, f"{base_peak / MiB:.0f} MiB", cells)
-                print(f"{frontend:<11}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
+                marginal.add(label, model_name, f"{small} -> {large}", pp, f"{base_peak / MiB:.0f} MiB", cells)
+                print(f"{label:<11}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
                       f"{cells}", flush=True)
-                rows.append({"kind": "marginal", "frontend": frontend, "model": model_name, "layers": [small, large],
+                rows.append({"kind": "marginal", "frontend": frontend, "optimize": optimize, "model": model_name,
+                             "layers": [small, large],
                              "pp": pp, "one_process_mib": {"peak": base_peak / MiB, "steady": base_steady / MiB},
                              "peak_share": [a for a, _ in shares], "steady_share": [b for _, b in shares],
                              "rank_peak_mib": [got[large][r]["peak"] / MiB for r in range(pp)],
@@ -394,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     headline = []
     for row in rows:
         if row["kind"] == "marginal" and row["model"] == "mlp" and row["pp"] in (2, 4):
-            headline.append({"what": f"{row['frontend']} deep MLP, memory per rank at pp {row['pp']} / one process "
-                                     "(marginal peak, worst rank)", "value": f"{max(row['peak_share']):.2f}x"})
+            setting = "" if row.get("optimize", "speed") == "speed" else " (optimize: memory)"
+            headline.append({"what": f"{row['frontend']}{setting} deep MLP, memory per rank at pp {row['pp']} / one "
+                                     "process (marginal peak, worst rank)", "value": f"{max(row['peak_share']):.2f}x"})
         if row["kind"] == "largest":
             sizes = row["layers"]
             headline.append({"what": f"{row['frontend']}: layers trainable under {row['limit_mib']} MiB per process, "

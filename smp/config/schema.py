@@ -81,7 +81,8 @@ KEYS: tuple[Key, ...] = (
         options=PIPELINE_NAMES),
     Key("virtual_stages", _INT, 1, "Model chunks per pipeline rank (for `interleaved_1f1b`, `zb_v`).", low=1,
         since="smp"),
-    Key("optimize", _STR, "speed", "`speed` or `memory`: tilts auto-partitioning and TP layers.",
+    Key("optimize", _STR, "speed", "`speed` or `memory`: tilts auto-partitioning and TP layers; `memory` also "
+        "returns large freed CPU blocks to the system (torch, docs/memory.md).",
         options=("speed", "memory")),
     Key("placement_strategy", _STR, "cluster",
         "Rank layout: `cluster` (=DPT), `spread` (=TPD) or any order of D, P, T (rightmost varies fastest).",

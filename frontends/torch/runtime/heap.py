@@ -32,6 +32,19 @@ and keeps up to `TRIM_THRESHOLD` free at the heap's top: a CPU training process 
 peak memory, as a caching allocator does. Thresholds the user chose (``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or the ``glibc.malloc`` tunables of those names)
 are left as they are; ``SMP_MALLOC_THRESHOLDS=keep`` leaves glibc's.
+
+With ``optimize: "memory"`` the heap keeps no large block (`give_back_large_blocks`): a block of
+`MEMORY_MMAP_THRESHOLD` or more comes from the kernel and goes back to it when freed. The reason is
+glibc's ``posix_memalign`` before 2.38, which torch uses for every CPU tensor: it asks for the size
+plus the alignment and splits the spare bytes off; the small allocations that take those bytes
+pin the block's neighbours, so a freed tensor leaves a hole of exactly its own size, which no
+later tensor of that size fits. Gradients accumulated over microbatches (one temporary per
+parameter per microbatch) and the optimizer's temporaries then grow the heap step after step: on
+a deep MLP of 16 MiB weights at pp 2 (4 microbatches, Adam) a rank's peak was 0.28-0.38 GiB above
+the bytes its tensors held, in every heap setting (glibc's own thresholds included), and within
+0.03 GiB of them with the large blocks from the kernel. The price is speed: a block from the
+kernel is page-faulted in again each time, 15-20 % of the step on a Llama of hidden 1024 on one
+core (docs/memory.md). glibc 2.38 and later reuse such holes; the default (``"speed"``) keeps them.
 """
 
 from __future__ import annotations
@@ -42,7 +55,8 @@ import logging
 import os
 import platform
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "share_heap"]
+__all__ = ["MEMORY_MMAP_THRESHOLD", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_large_blocks",
+           "keep_freed_memory", "share_heap"]
 
 # malloc.h
 _M_TRIM_THRESHOLD = -1
@@ -50,6 +64,8 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 MMAP_THRESHOLD = 64 << 20  # bytes: larger blocks still come from (and go back to) the kernel
 TRIM_THRESHOLD = 128 << 20  # bytes free at the heap's top before it is given back
+MEMORY_MMAP_THRESHOLD = 1 << 20  # optimize: memory: larger blocks come from (and go back to) the kernel
+_MEMORY_TRIM_THRESHOLD = 4 << 20
 log = logging.getLogger(__name__)
 
 
@@ -79,12 +95,26 @@ def share_heap() -> None:
         log.debug("mallopt(M_ARENA_MAX, 1) failed: microbatch threads keep their own malloc arenas")
 
 
-def keep_freed_memory() -> None:
-    """Raise glibc's mmap and trim thresholds (see the module docstring); calling it again is harmless."""
+def _set_thresholds(trim: int, mmap: int) -> bool:
     if not _glibc() or _user_chose(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"),
                                    ("mmap_threshold", "trim_threshold", "top_pad"), "SMP_MALLOC_THRESHOLDS"):
-        return
+        return False
     # The trim threshold first: setting either one turns off glibc's own raising of the mmap threshold.
-    if not (_mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
-        log.debug("mallopt(M_TRIM_THRESHOLD / M_MMAP_THRESHOLD) failed: freed memory goes back to the kernel")
+    if not (_mallopt(_M_TRIM_THRESHOLD, trim) and _mallopt(_M_MMAP_THRESHOLD, mmap)):
+        log.debug("mallopt(M_TRIM_THRESHOLD / M_MMAP_THRESHOLD) failed: glibc's thresholds stay")
+        return False
+    return True
+
+
+def keep_freed_memory() -> None:
+    """Raise glibc's mmap and trim thresholds (see the module docstring); calling it again is harmless."""
+    _set_thresholds(TRIM_THRESHOLD, MMAP_THRESHOLD)
+
+
+def give_back_large_blocks() -> bool:
+    """``optimize: "memory"``: blocks of `MEMORY_MMAP_THRESHOLD` or more from and back to the kernel.
+
+    Returns whether the thresholds were set (not where the user chose glibc's, or off glibc).
+    """
+    return _set_thresholds(_MEMORY_TRIM_THRESHOLD, MEMORY_MMAP_THRESHOLD)
 

@@ -27,7 +27,7 @@ from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
 from . import affinity, failure
-from .heap import keep_freed_memory, share_heap
+from .heap import give_back_large_blocks, keep_freed_memory, share_heap
 from .process_state import KEPT
 
 logger = logging.getLogger("smp")
@@ -111,7 +111,10 @@ def init(config: Mapping[str, Any] | str | None = None) -> None:
     backend, device, _ = _backend()
     if device.type == "cpu":
         share_heap()  # before gloo's and the engine's threads exist (heap.py)
-        keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
+        if cfg.optimize == "memory":
+            give_back_large_blocks()  # no tensor-sized holes in the heap (heap.py)
+        else:
+            keep_freed_memory()  # before the trace: its buffers would come back from the kernel each run
     owns = launch.kind != "existing"
     if launch.kind == "single":
         dist.init_process_group("gloo" if backend == "gloo" else backend, store=dist.HashStore(), rank=0,
