@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from bench_pipeline import _LlamaLayers as _Stage  # noqa: E402 - the hand cut's stages, as bench_pipeline's
+from bench_pipeline_probes import _value  # noqa: E402 - a config value from the command line
 from records import Table, write_record  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -153,8 +154,11 @@ def _compact(paths: list[str]) -> str:
     return (f"layers {layers[0]}-{layers[-1]}" if layers else "") + (", " + ", ".join(others) if others else "")
 
 
-def launch(shape: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
-    """One rank of the paired launch: every row, round after round; the slower rank's steps come back."""
+def launch(shape: str, rounds: int, steps: int, warmup: int,
+           extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One rank of the paired launch: every row, round after round; the slower rank's steps come back.
+
+    ``extra``: more smp rows, by name, with the config keys each sets over the defaults."""
     import torch.distributed as dist
     from smp.torch.runtime import affinity
     from smp.torch.runtime.heap import keep_freed_memory, share_heap
@@ -165,15 +169,16 @@ def launch(shape: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method="file://" + os.environ["SMP_RENDEZVOUS_FILE"],
                             rank=int(os.environ["RANK"]), world_size=2)
     affinity.bind(dist.get_rank(), 2)  # smp.init leaves an existing binding as it is
-    out: dict[str, Any] = {row: [] for row in ROWS}
+    extra = extra or {}
+    out: dict[str, Any] = {row: [] for row in [*ROWS, *extra]}
     notes: dict[str, str] = {}
     for _ in range(rounds):
-        for row in ROWS:
+        for row in [*ROWS, *extra]:
             batches = _batches(shape, steps + warmup)
             if row.startswith("torch"):
                 times = _torch_row(shape, "1f1b" if "1F1B" in row else "gpipe", batches)
             else:
-                times, notes[row] = _smp_row(shape, BEST if row == "smp best" else {}, batches)
+                times, notes[row] = _smp_row(shape, BEST if row == "smp best" else extra.get(row, {}), batches)
             slower = torch.tensor(times[warmup:])
             dist.all_reduce(slower, op=dist.ReduceOp.MAX)
             out[row].append(statistics.median(slower.tolist()))
@@ -191,7 +196,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--smp-row", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="an extra smp row with these config keys (e.g. pipeline=1f1b); printed, not recorded")
     args = p.parse_args()
+    extra = {f"smp {spec}": {k: _value(v) for k, _, v in (kv.partition("=") for kv in spec.split(","))}
+             for spec in args.smp_row}
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     table = Table(f"Hugging Face Llama shapes, 2 ranks, {args.rounds} paired rounds (ratios to torch 1F1B of the "
                   "same round: median and range)",
@@ -202,8 +211,13 @@ def main() -> None:
     for shape in shapes:
         one = single(shape, args.steps, args.warmup)
         per_mb = one / SHAPES[shape][6] / 2
-        got = run_ranks(launch, 2, args=(shape, args.rounds, args.steps, args.warmup), timeout=3600,
+        got = run_ranks(launch, 2, args=(shape, args.rounds, args.steps, args.warmup, extra), timeout=3600,
                         env={"OMP_NUM_THREADS": "1"})[0]
+        for row in extra:  # exploratory rows: printed beside the table, not in the record
+            share = [t / b for t, b in zip(got[row], got["torch 1F1B"])]
+            print(f"  {shape} {row}: {statistics.median(got[row]) * 1e3:.0f} ms, / 1F1B {statistics.median(share):.2f} "
+                  f"({_spread(share)}); {got['notes'][row]}", flush=True)
+            del got["notes"][row]
         ratio = {r: [t / b for t, b in zip(got[r], got["torch 1F1B"])] for r in ROWS}
         cells = [f"{statistics.median(got[r]) * 1e3:.0f} ({_spread([t * 1e3 for t in got[r]])})" for r in ROWS]
         ratios = [f"{statistics.median(ratio[r]):.2f} ({_spread(ratio[r])})"
@@ -221,6 +235,8 @@ def main() -> None:
             headline.append({"what": f"HF Llama step time, {row} / torch 1F1B, per shape ({', '.join(shapes)}; labels=, "
                                      f"AdamW in the step; median and range over {args.rounds} paired rounds)",
                              "value": " / ".join(per_shape)})
+    if extra:
+        return  # a record holds the standard rows only
     write_record("bench_sweep", rows, {"shapes": shapes, "rounds": args.rounds, "steps": args.steps,
                                        "warmup": args.warmup, "vocab": VOCAB, "best": BEST},
                  tables=[table], headline=headline)
