@@ -17,7 +17,11 @@ Both sides run with smp's CPU settings (glibc heap thresholds, each rank bound t
 set once at the start of the launch. Per shape the table gives the single-process step (same
 optimizer), the compute per microbatch per stage (single / m / 2), and per row the median over
 rounds of each round's median step (the slower rank's), the spread (min-max of the round medians)
-and the ratio to torch 1F1B of the same round (median and range over rounds).
+and the ratio to torch 1F1B of the same round (median and range over rounds). A second table shows
+where smp's step goes: each hand-cut stage's forward and backward timed alone in one process (times
+the microbatches), beside each smp rank's measured timeline of its last step (busy time of its
+forward, backward and weight actions, its idle time between them, the rest of the step, and the
+optimizer). ``--smp-row pipeline=1f1b`` adds an smp row with those config keys (printed, not recorded).
 
     .venv/bin/python benchmarks/bench_sweep.py [--shapes all|NAME,...] [--rounds 5] [--steps 4] [--warmup 2]
 """
@@ -94,6 +98,33 @@ def single(shape: str, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
+def stage_compute(shape: str, steps: int, warmup: int) -> list[tuple[float, float]]:
+    """One process, one thread: (forward, backward) seconds of one microbatch through each stage of the
+    hand cut (the last with the loss), the median over the microbatches of ``steps`` steps."""
+    torch.set_num_threads(1)
+    hf = _llama(shape)
+    stages = (_Stage(hf, True), _Stage(hf, False))
+    *_, m, _ = SHAPES[shape]
+    got: list[list[float]] = [[], [], [], []]
+    for step, ids in enumerate(_batches(shape, steps + warmup)):
+        for mb in ids.chunk(m):
+            t0 = time.perf_counter()
+            h = stages[0](mb)
+            t1 = time.perf_counter()
+            hin = h.detach().requires_grad_()
+            loss = _hf_loss(stages[1](hin), mb) / m
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            h.backward(hin.grad)
+            t4 = time.perf_counter()
+            if step >= warmup:
+                for i, t in enumerate((t1 - t0, t4 - t3, t2 - t1, t3 - t2)):
+                    got[i].append(t)
+    med = [statistics.median(v) for v in got]
+    return [(med[0], med[1]), (med[2], med[3])]
+
+
 def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor]) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -118,7 +149,8 @@ def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor]) -> list[f
     return times
 
 
-def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]) -> tuple[list[float], str]:
+def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]
+             ) -> tuple[list[float], str, dict[str, float]]:
     import smp.torch as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": SHAPES[shape][6], **extra})
@@ -131,21 +163,31 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]) -> 
         model.backward(loss)
         return loss
 
-    times = []
+    times, optimizer = [], []
     for ids in batches:
         smp.barrier()
         start = time.perf_counter()
         opt.zero_grad()
         train_step(model, ids)
+        stepped = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
+        optimizer.append(time.perf_counter() - stepped)
     from smp.state import current
+
+    # Where this rank's last step went: its actions' busy time by kind (F, B, W), the idle time
+    # between its first and last action, and the rest of the step (before, after, the optimizer).
+    done = [e for e in model.last_timeline if e.end]
+    breakdown = {kind: sum(e.end - e.start for e in done if e.kind == kind) for kind in ("F", "B", "W")}
+    span = max(e.end for e in done) - min(e.start for e in done) if done else 0.0
+    breakdown |= {"idle": span - sum(breakdown.values()), "optimizer": optimizer[-1],
+                  "outside": times[-1] - span - optimizer[-1], "step": times[-1]}
 
     plan = next(iter(model.plans.values())) if model.plans else None
     decided = (plan.schedule if plan is not None else "") or current().cfg.pipeline
     rank1 = sorted(p for p, r in model.partition_assignment.items() if r == 1 and p.count(".") <= 2)
     smp.reset()
-    return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {_compact(rank1)}"
+    return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {_compact(rank1)}", breakdown
 
 
 def _compact(paths: list[str]) -> str:
@@ -178,7 +220,11 @@ def launch(shape: str, rounds: int, steps: int, warmup: int,
             if row.startswith("torch"):
                 times = _torch_row(shape, "1f1b" if "1F1B" in row else "gpipe", batches)
             else:
-                times, notes[row] = _smp_row(shape, BEST if row == "smp best" else extra.get(row, {}), batches)
+                times, notes[row], mine = _smp_row(shape, BEST if row == "smp best" else extra.get(row, {}), batches)
+                if row == "smp defaults":
+                    ranks: list[Any] = [None, None]
+                    dist.all_gather_object(ranks, mine)
+                    out["breakdown"] = ranks
             slower = torch.tensor(times[warmup:])
             dist.all_reduce(slower, op=dist.ReduceOp.MAX)
             out[row].append(statistics.median(slower.tolist()))
@@ -206,10 +252,17 @@ def main() -> None:
                   "same round: median and range)",
                   ["shape", "1 process ms", "ms per microbatch per stage", *[f"{r} ms" for r in ROWS],
                    "smp defaults / 1F1B", "smp best / 1F1B", "torch GPipe / 1F1B", "smp's decisions"])
+    where = Table("Where smp's step goes (defaults, the last step of the last round; ms per step): each stage's "
+                  "compute alone, in one process, times the microbatches, then per rank of smp the busy time of "
+                  "its forward / backward / weight actions, the idle time between its first and last action, "
+                  "and the rest of the step besides the optimizer",
+                  ["shape", "stage compute alone (F + B, rank 0 / rank 1)", "smp rank 0: F / B / W, idle, rest",
+                   "smp rank 1: F / B / W, idle, rest", "optimizer (rank 0 / 1)", "step"])
     print(table.markdown(), flush=True)
     rows = []
     for shape in shapes:
         one = single(shape, args.steps, args.warmup)
+        alone = stage_compute(shape, args.steps, args.warmup)
         per_mb = one / SHAPES[shape][6] / 2
         got = run_ranks(launch, 2, args=(shape, args.rounds, args.steps, args.warmup, extra), timeout=3600,
                         env={"OMP_NUM_THREADS": "1"})[0]
@@ -225,9 +278,17 @@ def main() -> None:
         notes = "; ".join(f"{k}: {v}" for k, v in got["notes"].items())
         table.add(shape, f"{one * 1e3:.0f}", f"{per_mb * 1e3:.1f}", *cells, *ratios, notes)
         print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+        m = SHAPES[shape][6]
+        parts = got["breakdown"]
+        where.add(shape, " / ".join(f"{f * m * 1e3:.0f} + {b * m * 1e3:.0f}" for f, b in alone),
+                  *[f"{p['F'] * 1e3:.0f} / {p['B'] * 1e3:.0f} / {p['W'] * 1e3:.0f}, {p['idle'] * 1e3:.0f}, "
+                    f"{p['outside'] * 1e3:.0f}" for p in parts],
+                  " / ".join(f"{p['optimizer'] * 1e3:.0f}" for p in parts), f"{max(p['step'] for p in parts) * 1e3:.0f}")
         rows.append({"shape": shape, "dims": SHAPES[shape], "single_ms": one * 1e3, "per_microbatch_stage_ms":
                      per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
-                     **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"]})
+                     **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"],
+                     "stage_compute_ms": [[x * 1e3 for x in fb] for fb in alone],
+                     "smp_defaults_breakdown_ms": [{k: v * 1e3 for k, v in p.items()} for p in parts]})
     headline = []
     for row in ("smp defaults", "smp best"):
         per_shape = [f"{statistics.median(r[f'{row} / 1F1B']):.2f} ({_spread(r[f'{row} / 1F1B'])})" for r in rows]
@@ -235,11 +296,12 @@ def main() -> None:
             headline.append({"what": f"HF Llama step time, {row} / torch 1F1B, per shape ({', '.join(shapes)}; labels=, "
                                      f"AdamW in the step; median and range over {args.rounds} paired rounds)",
                              "value": " / ".join(per_shape)})
+    print(f"\n{where.markdown()}", flush=True)
     if extra:
         return  # a record holds the standard rows only
     write_record("bench_sweep", rows, {"shapes": shapes, "rounds": args.rounds, "steps": args.steps,
                                        "warmup": args.warmup, "vocab": VOCAB, "best": BEST},
-                 tables=[table], headline=headline)
+                 tables=[table, where], headline=headline)
 
 
 if __name__ == "__main__":
