@@ -40,9 +40,10 @@ plus the alignment and splits the spare bytes off; the small allocations that ta
 pin the block's neighbours, so a freed tensor leaves a hole of exactly its own size, which no
 later tensor of that size fits. Gradients accumulated over microbatches (one temporary per
 parameter per microbatch) and the optimizer's temporaries then grow the heap step after step: on
-a deep MLP of 16 MiB weights at pp 2 (4 microbatches, Adam) a rank's peak was 0.28-0.38 GiB above
-the bytes its tensors held, in every heap setting (glibc's own thresholds included), and within
-0.03 GiB of them with the large blocks from the kernel. The price is speed: a block from the
+a deep MLP of 16 MiB weights at pp 2 (4 microbatches, Adam) a rank's heap held 0.1-0.35 GiB of
+free holes beside its 0.5 GiB of tensors in every heap setting (glibc's own thresholds included),
+and its peak was 0.16-0.38 GiB above the same run with the large blocks from the kernel (which
+leaves under 4 MiB free in the heap). The price is speed: a block from the
 kernel is page-faulted in again each time, 15-20 % of the step on a Llama of hidden 1024 on one
 core (docs/memory.md). glibc 2.38 and later reuse such holes; the default (``"speed"``) keeps them.
 """
