@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{args.limit_mib} MiB data limit", ["frontend", "one process", *[f"pp {d}" for d in degrees if d > 1]])
     print(f"marginal growth per rank of {{2L}} minus {{L}} layers, as a share of one process (median of "
           f"{args.launches} launches; ideal 1/pp)\n")
-    print(f"{'frontend':<11}{'model':<7}{'layers':>8}{'pp':>4}  {'one process':>12}  per rank: peak share "
+    print(f"{'frontend':<26}{'model':<7}{'layers':>8}{'pp':>4}  {'one process':>12}  per rank: peak share "
           f"(steady share)")
     for model_name in [m for m in args.models.split(",") if m]:
         for frontend in FRONTEND[model_name]:
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
                            (got[large][r]["steady"] - got[small][r]["steady"]) / base_steady) for r in range(pp)]
                 cells = "  ".join(f"{a:.2f} ({b:.2f})" for a, b in shares)
                 marginal.add(label, model_name, f"{small} -> {large}", pp, f"{base_peak / MiB:.0f} MiB", cells)
-                print(f"{label:<11}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
+                print(f"{label:<26}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
                       f"{cells}", flush=True)
                 rows.append({"kind": "marginal", "frontend": frontend, "optimize": optimize, "model": model_name,
                              "layers": [small, large],
