@@ -141,10 +141,12 @@ def run_ranks(
             _dump_stacks([p for r, p in enumerate(procs) if r not in got])
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        for p in procs:
+        killed = set()
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
+                killed.add(r)
     missing = [r for r in range(world_size) if r not in got]
     errors = {r: v for r, (s, v) in got.items() if s == "error"}
     if expect_failure and missing and silent_death:
@@ -159,6 +161,12 @@ def run_ranks(
         raise RankFailure(f"ranks {missing} {why} (exit codes {codes}){detail}")
     if expect_failure:
         return [got[r] for r in range(world_size)]
+    # A rank that reported and then crashed on its way out (an abort in a destructor, a thread left
+    # joinable) fails the run too: users' processes would end the same way.
+    crashed = {r: procs[r].exitcode for r, (s, _) in got.items() if s == "ok" and r not in killed
+               and procs[r].exitcode not in (0, None)}
+    if crashed and not errors:
+        raise RankFailure(f"ranks {sorted(crashed)} returned, then exited with codes {crashed} (a crash at exit)")
     if errors:
         first = min(errors)
         others = "".join(f"\n--- rank {r} also raised:\n{errors[r]}" for r in sorted(errors) if r != first)

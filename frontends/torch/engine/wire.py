@@ -20,6 +20,7 @@ import pickle
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -287,3 +288,28 @@ class Transport:
             if self._thread.is_alive():
                 raise TimeoutError("the pipeline receiver did not stop: a peer did not finish the step")
             self._thread = None
+
+    def abandon(self, stop_kind: int, timeout: float) -> None:
+        """After a failed step: the same last message as `stop`, then a short wait, never an error.
+
+        Each failing rank ends its sending with ``stop_kind``, so the peers' receivers end instead of
+        staying blocked in a receive on a group that `smp.reset` (or the exit) then destroys, which
+        aborts the process ("terminate called without an active exception"). A peer that is gone
+        fails our receive and our sends at once; one that never reaches its own failure path (stuck
+        outside the step) costs ``timeout`` and leaves our receiver where it is.
+        """
+        for p in self.peers:
+            try:
+                self.send(p, stop_kind, -1, None)
+            except Exception:  # noqa: BLE001 - the peer may be gone already
+                pass
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.002)
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if not self._thread.is_alive():
+                self._thread = None
