@@ -21,7 +21,8 @@ and the ratio to torch 1F1B of the same round (median and range over rounds). A 
 where smp's step goes: each hand-cut stage's forward and backward timed alone in one process (times
 the microbatches), beside each smp rank's measured timeline of its last step (busy time of its
 forward, backward and weight actions, its idle time between them, the rest of the step, and the
-optimizer). ``--smp-row pipeline=1f1b`` adds an smp row with those config keys (printed, not recorded).
+optimizer). ``--smp-row pipeline=1f1b`` adds an smp row with those config keys (printed, not recorded);
+``--kernels`` instead times the matrix multiplications of torch 1F1B's and smp's ranks (printed).
 
     .venv/bin/python benchmarks/bench_sweep.py [--shapes all|NAME,...] [--rounds 5] [--steps 4] [--warmup 2]
 """
@@ -125,7 +126,32 @@ def stage_compute(shape: str, steps: int, warmup: int) -> list[tuple[float, floa
     return [(med[0], med[1]), (med[2], med[3])]
 
 
-def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor]) -> list[float]:
+_KERNELS: dict[str, dict[str, float]] = {}  # row -> its last step's matmul time (``--kernels``)
+
+
+def _profiled(row: str, on: bool) -> Any:
+    """With ``on``: a profiler over every thread of this rank whose matmul time lands in `_KERNELS`."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if not on:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def run() -> Any:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # smp's microbatch threads
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+            yield
+        ops = prof.key_averages()
+        mm = [e for e in ops if e.key == "aten::mm"]
+        _KERNELS[row] = {"mm_ms": sum(e.self_cpu_time_total for e in mm) / 1e3, "mm_calls": sum(e.count for e in mm),
+                         "ops_ms": sum(e.self_cpu_time_total for e in ops) / 1e3}
+
+    return run()
+
+
+def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor], profile_last: bool = False) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -140,16 +166,17 @@ def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor]) -> list[f
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad()
-        if rank == 0:
-            sched.step(ids)
-        else:
-            sched.step(target=ids, losses=[])
+        with _profiled(f"torch {schedule}", profile_last and ids is batches[-1]):
+            if rank == 0:
+                sched.step(ids)
+            else:
+                sched.step(target=ids, losses=[])
         opt.step()
         times.append(time.perf_counter() - start)
     return times
 
 
-def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]
+def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor], profile_last: bool = False
              ) -> tuple[list[float], str, dict[str, float]]:
     import smp.torch as smp
 
@@ -168,7 +195,8 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor]
         smp.barrier()
         start = time.perf_counter()
         opt.zero_grad()
-        train_step(model, ids)
+        with _profiled("smp", profile_last and ids is batches[-1]):
+            train_step(model, ids)
         stepped = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
@@ -197,10 +225,11 @@ def _compact(paths: list[str]) -> str:
 
 
 def launch(shape: str, rounds: int, steps: int, warmup: int,
-           extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           extra: dict[str, dict[str, Any]] | None = None, kernels: bool = False) -> dict[str, Any]:
     """One rank of the paired launch: every row, round after round; the slower rank's steps come back.
 
-    ``extra``: more smp rows, by name, with the config keys each sets over the defaults."""
+    ``extra``: more smp rows, by name, with the config keys each sets over the defaults. ``kernels``:
+    only torch 1F1B and smp's defaults, each round's last step profiled (``--kernels``)."""
     import torch.distributed as dist
     from smp.torch.runtime import affinity
     from smp.torch.runtime.heap import keep_freed_memory, share_heap
@@ -212,28 +241,99 @@ def launch(shape: str, rounds: int, steps: int, warmup: int,
                             rank=int(os.environ["RANK"]), world_size=2)
     affinity.bind(dist.get_rank(), 2)  # smp.init leaves an existing binding as it is
     extra = extra or {}
-    out: dict[str, Any] = {row: [] for row in [*ROWS, *extra]}
+    order = ["torch 1F1B", "smp defaults"] if kernels else [*ROWS, *extra]
+    contention = _contention(shape, steps, warmup) if kernels else {}
+    out: dict[str, Any] = {row: [] for row in order} | {"kernels": {row: [] for row in order}}
     notes: dict[str, str] = {}
     for _ in range(rounds):
-        for row in [*ROWS, *extra]:
+        for row in order:
             batches = _batches(shape, steps + warmup)
             if row.startswith("torch"):
-                times = _torch_row(shape, "1f1b" if "1F1B" in row else "gpipe", batches)
+                times = _torch_row(shape, "1f1b" if "1F1B" in row else "gpipe", batches, kernels)
             else:
-                times, notes[row], mine = _smp_row(shape, BEST if row == "smp best" else extra.get(row, {}), batches)
-                if row == "smp defaults":
-                    ranks: list[Any] = [None, None]
-                    dist.all_gather_object(ranks, mine)
-                    out["breakdown"] = ranks
+                times, notes[row], mine = _smp_row(shape, BEST if row == "smp best" else extra.get(row, {}), batches,
+                                                   kernels)
+            if kernels:
+                per_rank: list[Any] = [None, None]
+                dist.all_gather_object(per_rank, _KERNELS["smp" if row.startswith("smp") else "torch 1f1b"])
+                out["kernels"][row].append(per_rank)
+            if row == "smp defaults":
+                ranks: list[Any] = [None, None]
+                dist.all_gather_object(ranks, mine)
+                out["breakdown"] = ranks
             slower = torch.tensor(times[warmup:])
             dist.all_reduce(slower, op=dist.ReduceOp.MAX)
             out[row].append(statistics.median(slower.tolist()))
     out["notes"] = notes
+    out["contention"] = contention
+    return out
+
+
+def _contention(shape: str, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Each rank's hand-cut stage (forward and backward of every microbatch, no communication) timed
+    while the other rank waits, then while the other runs its own stage on the other core."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    part = _Stage(_llama(shape), rank == 0)
+    *_, seq, m, rows = SHAPES[shape]
+    hidden = SHAPES[shape][1]
+    batches = [ids.chunk(m) for ids in _batches(shape, steps + warmup)]
+    h = torch.randn(rows, seq, hidden)
+
+    def stage() -> float:
+        start = time.perf_counter()
+        for ids in batches[-1]:
+            if rank == 0:
+                part(ids).sum().backward()
+            else:
+                _hf_loss(part(h.requires_grad_()), ids).backward()
+        return time.perf_counter() - start
+
+    out: dict[str, list[float]] = {"alone": [], "together": []}
+    for step in range(steps + warmup):
+        for turn in (0, 1):  # each rank alone, the other waiting in the barrier
+            dist.barrier()
+            took = stage() if rank == turn else 0.0
+            dist.barrier()
+            if rank == turn and step >= warmup:
+                out["alone"].append(took)
+        dist.barrier()
+        took = stage()
+        if step >= warmup:
+            out["together"].append(took)
     return out
 
 
 def _spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def kernels(shape: str, rounds: int, steps: int, warmup: int) -> None:
+    """Print each rank's matmul time in one step of torch 1F1B and of smp's defaults, paired rounds.
+
+    The two run the same decoder layers, so each rank runs the same ``aten::mm`` calls (counts
+    shown) and any difference in their time is how fast the same kernels run in each engine."""
+    both = run_ranks(launch, 2, args=(shape, rounds, steps, warmup, None, True), timeout=3600,
+                     env={"OMP_NUM_THREADS": "1"})
+    print(f"\n{shape}: each rank's hand-cut stage (F + B of {SHAPES[shape][6]} microbatches, no communication), "
+          "median ms: alone (the other rank waiting) / while the other rank runs its stage: " + "; ".join(
+              f"rank {r}: {statistics.median(o['contention']['alone']) * 1e3:.0f} / "
+              f"{statistics.median(o['contention']['together']) * 1e3:.0f}" for r, o in enumerate(both)))
+    got = both[0]["kernels"]
+    print(f"\n{shape}: aten::mm self time in one step, ms (calls), all threads of each rank; {rounds} paired rounds\n")
+    print("| round | torch rank 0 | smp rank 0 | smp / torch | torch rank 1 | smp rank 1 | smp / torch |")
+    print("|---|---|---|---|---|---|---|")
+    ratios: list[list[float]] = [[], []]
+    for i, (theirs, ours) in enumerate(zip(got["torch 1F1B"], got["smp defaults"])):
+        cells = []
+        for r in (0, 1):
+            ratios[r].append(ours[r]["mm_ms"] / theirs[r]["mm_ms"])
+            cells += [f"{theirs[r]['mm_ms']:.0f} ({theirs[r]['mm_calls']})", f"{ours[r]['mm_ms']:.0f} ({ours[r]['mm_calls']})",
+                      f"{ratios[r][-1]:.2f}"]
+        print(f"| {i + 1} | " + " | ".join(cells) + " |", flush=True)
+    print("| median | | | " + f"{statistics.median(ratios[0]):.2f} ({_spread(ratios[0])})"
+          + " | | | " + f"{statistics.median(ratios[1]):.2f} ({_spread(ratios[1])}) |")
 
 
 def main() -> None:
@@ -244,6 +344,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smp-row", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an extra smp row with these config keys (e.g. pipeline=1f1b); printed, not recorded")
+    p.add_argument("--kernels", action="store_true",
+                   help="only: the matmul time of torch 1F1B's and smp's ranks, per round (profiled; not recorded)")
     args = p.parse_args()
     extra = {f"smp {spec}": {k: _value(v) for k, _, v in (kv.partition("=") for kv in spec.split(","))}
              for spec in args.smp_row}
@@ -258,6 +360,10 @@ def main() -> None:
                   "and the rest of the step besides the optimizer",
                   ["shape", "stage compute alone (F + B, rank 0 / rank 1)", "smp rank 0: F / B / W, idle, rest",
                    "smp rank 1: F / B / W, idle, rest", "optimizer (rank 0 / 1)", "step"])
+    if args.kernels:
+        for shape in shapes:
+            kernels(shape, args.rounds, args.steps, args.warmup)
+        return
     print(table.markdown(), flush=True)
     rows = []
     for shape in shapes:
