@@ -15,6 +15,9 @@ reference bound to one core is what 2 ranks are measured against. Rows:
   ``smp.partition(1)`` around blocks 4-7 and the head, in the SMP v1 script shape (``@smp.step``
   returning tape gradients, ``@tf.function`` applying ``g.accumulate()``); bound, the default
   mode is the plan-ordered overlap (engine/schedule.py), ``SMP_TF_OVERLAP=0`` lockstep;
+  ``SMP_TF_MATMUL_GRADIENT=tensorflow`` differentiates the Dense layers with TensorFlow's own MatMul
+  gradient instead of smp's small-batch one (engine/matmul_grad.py), as one process and the
+  compute-only bound do;
 - ``compute only``: in the first manual launch, after the smp steps, each rank runs only its own
   half of the same layers (rank 0: blocks 0-3 forward and backward against a ones gradient;
   rank 1: blocks 4-7, head and loss from a fixed input), ``M`` microbatches, both ranks at once,
@@ -215,6 +218,8 @@ def _rows(mb: int, steps: int, warmup: int) -> list[tuple[str, float, str, str]]
     rows.append(("smp pp2 manual, bound (the default)", t, mode(out), ", ".join(out[0]["rank1"])))
     bound = statistics.median(max(ts) for ts in zip(*(o["half"] for o in out)))
     rows.append(("compute only: each rank its half, no communication", bound, "-", f"blocks {CUT}-{BLOCKS - 1} + head"))
+    t, out = pipelined("manual", True, {"SMP_TF_MATMUL_GRADIENT": "tensorflow"})
+    rows.append(("smp pp2 manual, bound, SMP_TF_MATMUL_GRADIENT=tensorflow", t, mode(out), ", ".join(out[0]["rank1"])))
     t, out = pipelined("manual", True, {"SMP_TF_OVERLAP": "0"})
     rows.append(("smp pp2 manual, bound, SMP_TF_OVERLAP=0", t, mode(out), ", ".join(out[0]["rank1"])))
     t, out = pipelined("auto", True)

@@ -30,6 +30,8 @@ from tensorflow.python.ops import resource_variable_ops
 
 from smp.errors import SMPError
 
+from ..engine.matmul_grad import use_small_batch_gradient
+
 __all__ = ["TracedCall", "initialize_deferred", "input_signature", "trace_call"]
 
 # Ops that are never partitioned: recomputed by every stage that needs them, never sent.
@@ -196,6 +198,7 @@ def trace_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     deferred = _build(model, args, kwargs, flat, tensor_pos, specs, defer_values)
     wrapped = tf.compat.v1.wrap_function(body, specs)
     graph = wrapped.graph
+    use_small_batch_gradient(graph)  # the stage functions' backward of a Dense layer (engine/matmul_grad.py)
     outputs = list(wrapped.outputs)
     if len(outputs) != len(tf.nest.flatten(holder["structure"])):
         raise SMPError(f"{type(model).__name__}.call must return tensors (or a nest of tensors); got "
