@@ -36,7 +36,7 @@ def _default(op: Any, grad: tf.Tensor) -> Any:
     return ops.gradient_registry.lookup("MatMul")(op, grad)
 
 
-@ops.RegisterGradient(GRADIENT)
+@ops.RegisterGradient(GRADIENT)  # type: ignore[untyped-decorator]
 def _small_batch_matmul_grad(op: Any, grad: tf.Tensor) -> Any:
     """TensorFlow's MatMul gradient, with ``dx = (w @ dy^T)^T`` for a small-batch ``x @ w``."""
     if op.get_attr("transpose_a") or op.get_attr("transpose_b") or op.inputs[0].dtype.is_complex:
