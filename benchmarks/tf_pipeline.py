@@ -19,9 +19,9 @@ reference bound to one core is what 2 ranks are measured against. Rows:
   gradient instead of smp's small-batch one (engine/matmul_grad.py), as one process and the
   compute-only bound do;
 - ``compute only``: in the first manual launch, after the smp steps, each rank runs only its own
-  half of the same layers (rank 0: blocks 0-3 forward and backward against a ones gradient;
-  rank 1: blocks 4-7, head and loss from a fixed input), ``M`` microbatches, both ranks at once,
-  no communication. A 2-stage pipeline cannot beat it; a perfect overlap takes ``(M + 1) / M``
+  half of the same layers as one function with smp's MatMul gradient (rank 0: blocks 0-3 forward
+  and backward against a ones gradient; rank 1: blocks 4-7, head and loss from a fixed input, and
+  the gradient of that input), ``M`` microbatches, both ranks at once, no communication. A 2-stage pipeline cannot beat it; a perfect overlap takes ``(M + 1) / M``
   times it;
 - ``smp pp2 auto``: the same model without scopes, ``auto_partition`` with optimize "speed";
 - ``unbound`` rows: plain ``mpiexec``, every process free to use both cores (TensorFlow's default
@@ -169,24 +169,41 @@ def ours(cut: str, steps: int, warmup: int, mb: int = MB) -> dict[str, Any]:
 
 def _half_alone(model: Any, loss_obj: Any, data: list[tuple[np.ndarray, np.ndarray]], smp: Any,
                 mb: int) -> list[float]:
-    """This rank's half of the layers, forward + backward of every microbatch, no communication."""
-    import tensorflow as tf
+    """This rank's half of the layers, forward + backward of every microbatch, no communication.
 
-    mine = model.blocks[:CUT] if smp.pp_rank() == 0 else [*model.blocks[CUT:], model.head]
+    What the rank computes in the pipeline: its layers as one function, differentiated with the
+    MatMul gradient smp's stage functions use (engine/matmul_grad.py, or TensorFlow's under
+    ``SMP_TF_MATMUL_GRADIENT=tensorflow``), and on rank 1 also the gradient of its input (sent back).
+    """
+    import tensorflow as tf
+    from smp.tensorflow.engine.matmul_grad import use_small_batch_gradient
+
+    rank = smp.pp_rank()
+    mine = model.blocks[:CUT] if rank == 0 else [*model.blocks[CUT:], model.head]
     variables = [v for layer in mine for v in layer.trainable_variables]
     h_in = tf.constant(np.random.default_rng(1).standard_normal((mb, WIDTH)).astype(np.float32))
+
+    def layers(h: Any) -> Any:
+        for layer in mine:
+            h = layer(h)
+        return h
+
+    stage = tf.compat.v1.wrap_function(layers, [tf.TensorSpec((mb, WIDTH), tf.float32)])
+    use_small_batch_gradient(stage.graph)
 
     @tf.function
     def half(x: Any, y: Any) -> Any:
         acc = [tf.zeros_like(v) for v in variables]
         for m in range(M):
             with tf.GradientTape() as tape:
-                h = x[m * mb:(m + 1) * mb] if smp.pp_rank() == 0 else h_in
+                h = x[m * mb:(m + 1) * mb] if rank == 0 else h_in
                 tape.watch(h)
-                for layer in mine:
-                    h = layer(h)
-                target = tf.reduce_sum(h) if smp.pp_rank() == 0 else loss_obj(y[m * mb:(m + 1) * mb], h)
-            acc = [a + g for a, g in zip(acc, tape.gradient(target, [*variables, h])[:-1])]
+                out = stage(h)
+                target = tf.reduce_sum(out) if rank == 0 else loss_obj(y[m * mb:(m + 1) * mb], out)
+            grads = tape.gradient(target, variables if rank == 0 else [*variables, h])
+            acc = [a + g for a, g in zip(acc, grads)]
+            if rank:
+                acc[0] += tf.reduce_sum(grads[-1])  # the input gradient is computed, as the pipeline must
         return tf.add_n([tf.reduce_sum(a) for a in acc])
 
     return _timed(lambda x, y: float(half(x, y)), data, smp.barrier)

@@ -4,8 +4,9 @@ TensorFlow differentiates ``y = x @ w`` (a Dense layer: ``x`` is ``[rows, k]``, 
 ``[k, n]``) into ``dx = dy @ w^T`` with ``transpose_b``; on CPU that product costs about twice
 the forward one when ``rows`` is small, as if ``w`` were transposed first (measured on the dev
 box, TF 2.21, one thread, a 768 x 768 weight: 64 rows 1.49 ms against 0.78 ms for ``dy @ w``;
-16 rows 1.18 against 0.44). ``(w @ dy^T)^T`` gives the same numbers (bit for bit in those
-measurements) in 0.87 and 0.51 ms: the transpose is of the small result. A pipeline stage runs
+16 rows 1.18 against 0.44). ``(w @ dy^T)^T`` is the same product (bit for bit in those
+measurements; summed over microbatches, within float rounding) in 0.87 and 0.51 ms: the
+transpose is of the small result. A pipeline stage runs
 one microbatch at a time, so every microbatch pays it: on `benchmarks/tf_pipeline.py`'s model
 (8 Dense(768) blocks, 64 rows) it was about a quarter of each backward. With many rows the
 default is the faster one (1,024 rows: 8.5 ms against 13.4), so the rewrite is used only when
