@@ -81,8 +81,6 @@ __all__ = ["Engine", "Event", "current_task"]
 logger = logging.getLogger("smp")
 # How often the dispatcher, between messages, checks for a failed or vanished peer (runtime/failure.py).
 _POLL_S = 0.2
-# After a failed step, how long a rank waits for its peers' last message (`Transport.abandon`).
-_ABANDON_S = 3.0
 
 
 # Note [task lifetime]: a step's tasks must be freed by reference counting when the step ends.
@@ -453,7 +451,6 @@ class Engine(Requester, Owner):
         error: BaseException | None = None
         lock = threading.Lock()
         last_rx = [time.monotonic()]
-        failed = False
 
         def spawn(mb: int, body: Callable[[], Any] | None) -> Task:
             nonlocal running
@@ -469,8 +466,6 @@ class Engine(Requester, Owner):
 
         def route(msg: Message) -> bool:
             """On the receiver thread: hand a microbatch's message straight to its task."""
-            if failed:
-                return True  # after a failure the step is over: what still arrives is dropped
             msg.src_pp = self.pp_ranks.index(msg.src)
             for mb in msg.ended:  # before the message: it may open the next microbatch (`_end_microbatch`)
                 ended = self.tasks.get(mb)
@@ -546,9 +541,8 @@ class Engine(Requester, Owner):
         if error is not None:
             # A dropped connection is the failure of the peer behind it, not of this rank.
             error = failure.translate(error, f"the pipeline step on pp_rank {self.pp_rank}", peers)
-            failed = True
             self._fail(error)
-            self.transport.abandon(STOP, min(self.timeout_s, _ABANDON_S))
+            self.transport.abandon(STOP, self.timeout_s)
             raise error
         if leader:
             results = [self.tasks[mb].result for mb in range(num_microbatches)]

@@ -45,6 +45,7 @@ _HEAD = "<6q"  # kind, skeleton bytes, tensor count, microbatch, in-frame tensor
 FRAME = 4 << 20  # bytes: one gloo message carries a message of at most this size whole
 _HEAD_BYTES = struct.calcsize(_HEAD)
 _MASK_BITS = 63
+ABANDON_S = 3.0  # after a failed step, the longest wait for the peers' last message (`Transport.abandon`)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Transport:
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
         self._frame: torch.Tensor | None = None  # the receiver's buffer, reused: messages are copied out of it
+        self._abandoned = False  # set by `abandon`: the receiver drops what still arrives
 
     def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = (),
              ended: Sequence[int] = ()) -> None:
@@ -262,6 +264,8 @@ class Transport:
         if not self.peers:
             return
 
+        self._abandoned = False
+
         def run() -> None:
             stopped = 0
             try:
@@ -270,6 +274,8 @@ class Transport:
                     if msg.kind == stop_kind:
                         stopped += 1
                         continue
+                    if self._abandoned:
+                        continue  # the step failed: what still arrives is dropped
                     if route is None or not route(msg):
                         self.inbox.put(msg)
             except BaseException as e:  # noqa: BLE001 - handed to the engine's dispatcher
@@ -296,14 +302,15 @@ class Transport:
         staying blocked in a receive on a group that `smp.reset` (or the exit) then destroys, which
         aborts the process ("terminate called without an active exception"). A peer that is gone
         fails our receive and our sends at once; one that never reaches its own failure path (stuck
-        outside the step) costs ``timeout`` and leaves our receiver where it is.
+        outside the step) costs ``timeout`` (at most `ABANDON_S`) and leaves our receiver where it is.
         """
+        self._abandoned = True
         for p in self.peers:
             try:
                 self.send(p, stop_kind, -1, None)
             except Exception:  # noqa: BLE001 - the peer may be gone already
                 pass
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + min(timeout, ABANDON_S)
         with self._lock:
             pending, self._pending = self._pending, []
         for work, _ in pending:
