@@ -126,11 +126,11 @@ def stage_compute(shape: str, steps: int, warmup: int) -> list[tuple[float, floa
     return [(med[0], med[1]), (med[2], med[3])]
 
 
-_KERNELS: dict[str, dict[str, float]] = {}  # row -> its last step's matmul time (``--kernels``)
+_PROFILED: dict[str, float] = {}  # the last profiled step's figures (``--kernels``), read right after its row
 
 
-def _profiled(row: str, on: bool) -> Any:
-    """With ``on``: a profiler over every thread of this rank whose matmul time lands in `_KERNELS`."""
+def _profiled(on: bool) -> Any:
+    """With ``on``: a profiler over every thread of this rank whose figures land in `_PROFILED`."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -147,8 +147,9 @@ def _profiled(row: str, on: bool) -> Any:
         wall = time.perf_counter() - start
         ops = prof.key_averages()
         mm = [e for e in ops if e.key == "aten::mm"]
-        _KERNELS[row] = {"mm_ms": sum(e.self_cpu_time_total for e in mm) / 1e3, "mm_calls": sum(e.count for e in mm),
-                         "ops_ms": sum(e.self_cpu_time_total for e in ops) / 1e3, "wall_ms": wall * 1e3}
+        _PROFILED.clear()
+        _PROFILED.update({"mm_ms": sum(e.self_cpu_time_total for e in mm) / 1e3, "mm_calls": sum(e.count for e in mm),
+                         "ops_ms": sum(e.self_cpu_time_total for e in ops) / 1e3, "wall_ms": wall * 1e3})
 
     return run()
 
@@ -168,7 +169,7 @@ def _torch_row(shape: str, schedule: str, batches: list[torch.Tensor], profile_l
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad()
-        with _profiled(f"torch {schedule}", profile_last and ids is batches[-1]):
+        with _profiled(profile_last and ids is batches[-1]):
             if rank == 0:
                 sched.step(ids)
             else:
@@ -197,7 +198,7 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor], pro
         smp.barrier()
         start = time.perf_counter()
         opt.zero_grad()
-        with _profiled("smp", profile_last and ids is batches[-1]):
+        with _profiled(profile_last and ids is batches[-1]):
             train_step(model, ids)
         stepped = time.perf_counter()
         opt.step()
@@ -257,7 +258,7 @@ def launch(shape: str, rounds: int, steps: int, warmup: int,
                                                    kernels)
             if kernels:
                 per_rank: list[Any] = [None, None]
-                dist.all_gather_object(per_rank, _KERNELS["smp" if row.startswith("smp") else "torch 1f1b"])
+                dist.all_gather_object(per_rank, dict(_PROFILED))
                 out["kernels"][row].append(per_rank)
             if row == "smp defaults":
                 ranks: list[Any] = [None, None]
@@ -280,12 +281,12 @@ def _contention(shape: str, steps: int, warmup: int) -> dict[str, list[float]]:
     part = _Stage(_llama(shape), rank == 0)
     *_, seq, m, rows = SHAPES[shape]
     hidden = SHAPES[shape][1]
-    batches = [ids.chunk(m) for ids in _batches(shape, steps + warmup)]
+    microbatches = _batches(shape, 1)[0].chunk(m)
     h = torch.randn(rows, seq, hidden)
 
     def stage() -> float:
         start = time.perf_counter()
-        for ids in batches[-1]:
+        for ids in microbatches:
             if rank == 0:
                 part(ids).sum().backward()
             else:
@@ -314,8 +315,9 @@ def _spread(values: list[float]) -> str:
 def kernels(shape: str, rounds: int, steps: int, warmup: int) -> None:
     """Print each rank's matmul time in one step of torch 1F1B and of smp's defaults, paired rounds.
 
-    The two run the same decoder layers, so each rank runs the same ``aten::mm`` calls (counts
-    shown) and any difference in their time is how fast the same kernels run in each engine."""
+    Where smp's cut is the hand cut (h512: equal ``aten::mm`` counts, shown), each rank runs the same
+    calls in both, and the difference in their time is how fast the same kernels run in each engine;
+    where the counts differ, the cuts do and the times are not comparable."""
     both = run_ranks(launch, 2, args=(shape, rounds, steps, warmup, None, True), timeout=3600,
                      env={"OMP_NUM_THREADS": "1"})
     print(f"\n{shape}: each rank's hand-cut stage (F + B of {SHAPES[shape][6]} microbatches, no communication), "
