@@ -38,7 +38,8 @@ __all__ = ["Recv", "Send", "exchange", "independent", "is_unowned_gradient", "re
 UNOWNED_GRADIENT = "smp_unowned_gradient"
 
 
-def _unowned_gradients(anchors: Sequence[tf.Tensor], released: Sequence[bool]) -> list[tf.Tensor]:
+def _unowned_gradients(anchors: Sequence[tf.Tensor], released: Sequence[bool],
+                       after: tf.Tensor | None = None) -> list[tf.Tensor]:
     """The zero gradients of the anchors, named so `is_unowned_gradient` finds them.
 
     A released variable (`residency`: another rank owns it, this rank holds no storage for it)
@@ -47,15 +48,17 @@ def _unowned_gradients(anchors: Sequence[tf.Tensor], released: Sequence[bool]) -
     outputs have no static shape, so the graph's gradient checks accept them and Grappler cannot
     fold them into full-size constants (it would a ``zeros_like`` of the variable's read, whose
     static shape is the full one). A held anchor (the one owned variable of a rank that owns them
-    all) gets a zero of its shape, which joins its real gradient.
+    all) gets a zero of its shape, which joins its real gradient. ``after``: a tensor the zeros wait
+    for (with no input they would run at the step's start, ahead of its first action).
     """
     out = [tf.zeros_like(a, name=UNOWNED_GRADIENT) if not gone else None for a, gone in zip(anchors, released)]
     empty = [i for i, gone in enumerate(released) if gone]
     if empty:
         dtypes = [anchors[i].dtype for i in empty]
         shapes = [empty_shape(anchors[i].shape) for i in empty]
-        zeros = tf.numpy_function(lambda: [np.zeros(s, d.as_numpy_dtype) for s, d in zip(shapes, dtypes)], [],
-                                  dtypes, stateful=True, name=UNOWNED_GRADIENT)
+        with tf.control_dependencies([after] if after is not None else []):
+            zeros = tf.numpy_function(lambda: [np.zeros(s, d.as_numpy_dtype) for s, d in zip(shapes, dtypes)], [],
+                                      dtypes, stateful=True, name=UNOWNED_GRADIENT)
         for i, z in zip(empty, zeros):
             out[i] = z
     return out  # type: ignore[return-value]
@@ -264,7 +267,7 @@ def exchange(transport: Any, chain: tf.Tensor, sends: Sequence[tuple[tf.Tensor, 
             with tf.control_dependencies([*back, *[g for g in d_sent if g is not None]]):
                 d_chain_in = tf.zeros_like(chain_in)
             d_pass = list(ups[1 + n_recv:1 + n_recv + n_pass])
-            d_anchor = _unowned_gradients(args[1 + n_send + n_pass:], released)
+            d_anchor = _unowned_gradients(args[1 + n_send + n_pass:], released, d_chain_in)
             return [d_chain_in, *d_sent, *d_pass, *d_anchor]
 
         return [chain_out, *received, *passed], grad

@@ -154,11 +154,15 @@ class PartitionedCall:
         streams = gate.streams if gate is not None else None
         chain: tf.Tensor | None = _first_chain(list(values.values())) if gate is not None else None
         anchors_left = True
+        started: list[tf.Tensor] = []  # this call's forward markers (with overlap)
 
         def crossing(sends: list[tuple[tf.Tensor, list[Send]]], recvs: list[Recv],
                      passthrough: Sequence[tf.Tensor] = ()) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
             nonlocal chain, anchors_left
-            anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
+            # With overlap the reads wait for this rank's last action to start: ready at the step's start,
+            # every microbatch's reads would queue ahead of the first action (measured: 3-4 ms of them).
+            with tf.control_dependencies([started[-1]] if started and anchors_left else []):
+                anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
             released = [is_released(v) for v in self.anchors] if anchors_left else []
             anchors_left = False
             chain, got, passed = exchange(self.link.transport, chain if chain is not None else tf.zeros(()),
@@ -169,6 +173,8 @@ class PartitionedCall:
         for stage in plan.stages:
             if stage.partition == me:
                 token = self.log.mark(microbatch, "F", stage.index, gate, chain)
+                if gate is not None:
+                    started.append(token)
                 fn = plan.function(stage)
                 feeds = [values[t.name] for t in stage.feeds]
                 if gate is not None:
