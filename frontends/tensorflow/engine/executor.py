@@ -159,8 +159,9 @@ class PartitionedCall:
         def crossing(sends: list[tuple[tf.Tensor, list[Send]]], recvs: list[Recv],
                      passthrough: Sequence[tf.Tensor] = ()) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
             nonlocal chain, anchors_left
-            # With overlap the reads wait for this rank's last action to start: ready at the step's start,
-            # every microbatch's reads would queue ahead of the first action (measured: 3-4 ms of them).
+            # With overlap the reads wait for this call's latest forward marker, if any: ready at the step's
+            # start, every microbatch's reads queued ahead of the first action (with the zero gradients of
+            # `exchange`, 2 ms of the 5 ms before it, measured at 16 rows).
             with tf.control_dependencies([started[-1]] if started and anchors_left else []):
                 anchors = [tf.identity(v.value) for v in self.anchors] if anchors_left else []
             released = [is_released(v) for v in self.anchors] if anchors_left else []
