@@ -30,16 +30,19 @@ __all__ = ["RequestWork", "all_true", "allgather_objects", "bcast_object", "poll
 
 _ABANDONED: list[tuple[Any, Any]] = []
 _CHECK_EVERY_S = 0.05  # failure record and heartbeats, as often as the core checks them
-_SPIN_S = 0.0005  # test without pausing this long: a reply already on its way
+_SPIN_S = 0.0005  # lockstep: test without pausing this long (a reply already on its way)
 _PAUSE_S = 0.00005
 _BACKOFF_S = 0.002  # with overlap, a long wait backs off to pauses this long: see `poll`
 _max_pause_s = _PAUSE_S  # set by `set_backoff` (smp.init)
+_spin_s = _SPIN_S  # set by `set_backoff` (smp.init)
 
 
 def set_backoff(overlap: bool) -> None:
-    """Let long waits back off (overlap: each rank bound to its own core) or keep polling every 50 µs (lockstep)."""
-    global _max_pause_s
+    """Overlap (each rank bound to its own core): waits pause from the first test on and back off; lockstep:
+    spin briefly, then poll every 50 µs."""
+    global _max_pause_s, _spin_s
     _max_pause_s = _BACKOFF_S if overlap else _PAUSE_S
+    _spin_s = 0.0 if overlap else _SPIN_S
 
 
 class RequestWork:
@@ -97,8 +100,10 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
     a wait that goes on doubles its pause up to 2 ms: there a receive waits for the peer's next
     microbatch while another action computes on the same core, and 20,000 wake-ups a second took
     that core from it (``benchmarks/tf_pipeline.py``'s model, 2 ranks bound to a core each: 150 ->
-    133 ms per step at 64 rows, 114-121 -> 102-106 at 16; every action ran 10-40 % shorter).
-    Lockstep keeps the short pause: the waiting rank has nothing else to run, and on an unbound
+    133 ms per step at 64 rows, 114-121 -> 102-106 at 16; every action ran 10-40 % shorter); nor
+    does it spin first: a receive posted for the next microbatch spun 0.5 ms on the core the
+    current action computes on (119 -> 112 ms per step at 64 rows, medians of 5 paired launches).
+    Lockstep keeps the spin and the short pause: the waiting rank has nothing else to run, and on an unbound
     pair of ranks the backoff cost 5-15 %. The checks, the errors and
     their texts are the core's (`check_peers`, `timeout_error`, the heartbeat's activity), as in
     `smp.runtime.failure.wait`; a ``max_pause`` option there would let this function go.
@@ -120,7 +125,7 @@ def poll(work: Any, what: str, peers: int | list[int], timeout_s: float | None =
                 next_check = now + _CHECK_EVERY_S
             if now - start > limit:
                 raise core_failure.timeout_error(what, ranks, limit)
-            if now - start > _SPIN_S:
+            if now - start >= _spin_s:
                 time.sleep(pause)  # lets the other ranks (and TF's threads) have the core
                 pause = min(2 * pause, _max_pause_s)
     except (RemoteRankError, CommTimeoutError) as e:
