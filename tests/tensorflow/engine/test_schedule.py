@@ -10,7 +10,9 @@ Real MPI ranks, real Keras models (`tests.tensorflow.model.cases`: the Distribut
   backward (lockstep runs F0 B0 F1 ...);
 - losses of every step and every variable after 3 Adam steps equal one process (the tolerances
   of the lockstep tests), with skip connections, a tied embedding, BatchNorm and dropout;
-- the measured timeline has one event per action and renders with the torch renderers.
+- the measured timeline has one event per action and renders with the torch renderers;
+- in the traced graph, nothing of the step waits for the end-of-step barrier, and the backward end
+  markers read only gradients something else reads (no gradient computed for the marker alone).
 """
 
 from __future__ import annotations
@@ -158,3 +160,68 @@ def test_overlap_mode_from_the_environment_and_the_cpu_binding(monkeypatch: pyte
     monkeypatch.setenv(OVERLAP_ENV, "sometimes")
     with pytest.raises(LaunchError, match=r"SMP_TF_OVERLAP='sometimes'.*Fix: SMP_TF_OVERLAP=1"):
         overlap_requested()
+
+
+def graph_of_a_step() -> dict[str, Any]:
+    """One rank of a 2-layer model at pp2 with overlap: what the traced step's graph does at the gate.
+
+    Returns, for the outer ``tf.function``: the ops that wait for the end-of-step barrier, and per
+    backward end marker whether each tensor it probes has a reader besides that probe.
+    """
+    import os
+
+    os.environ["SMP_TF_OVERLAP"] = "1"
+    import keras
+    import smp.tensorflow as smp
+    import tensorflow as tf
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0})
+
+    class TwoLayers(smp.DistributedModel):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = keras.layers.Dense(16, activation="tanh")
+            self.second = keras.layers.Dense(16, activation="tanh")
+
+        def call(self, x: Any) -> Any:
+            with smp.partition(0):
+                x = self.first(x)
+            with smp.partition(1):
+                return self.second(x)
+
+    model = TwoLayers()
+    opt = keras.optimizers.SGD(0.1)
+
+    @smp.step
+    def get_grads(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        return tape.gradient(loss, model.trainable_variables), loss
+
+    @tf.function
+    def train_step(x: Any) -> Any:
+        grads, loss = get_grads(x)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    x = np.ones((8, 16), np.float32)
+    train_step(x)
+    graph = train_step.get_concrete_function(tf.TensorSpec((8, 16), tf.float32)).graph
+    ops = graph.get_operations()
+    barrier = next(op for op in ops if op.name.startswith("smp_gate_barrier"))
+    probed = []
+    for end in (op for op in ops if op.name.startswith("smp_gate_end_B")):
+        for probe in end.inputs[1:]:  # input 0: the start marker's token; then one slice per probed output
+            tensor = probe.op.inputs[0].op.inputs[0]  # slice <- reshape <- the probed tensor
+            probed.append(len(tensor.consumers()) > 1)
+    return {"after_barrier": sorted(op.type for op in barrier._control_outputs), "probed_live": probed}
+
+
+def test_gradients_do_not_wait_for_the_step_end_and_no_probe_computes_an_unread_gradient() -> None:
+    """The step's outputs leave as they are made (the gradients are summed while later microbatches run,
+    not after the last action), and a backward's end marker reads only gradients something else reads:
+    on pp rank 0 the gradient of the model's input has no reader, and probing it would compute it."""
+    results = run_mpi_ranks(graph_of_a_step, 2, timeout=120)
+    for rank, got in enumerate(results):
+        assert set(got["after_barrier"]) <= {"NoOp", "PyFunc"}, (rank, got["after_barrier"])  # the flush, the return
+        assert got["probed_live"] and all(got["probed_live"]), (rank, got["probed_live"])
