@@ -21,7 +21,8 @@ on a Keras optimizer; adding a second, non-Keras spelling would only widen the p
 Scripts on TF1 optimizers keep TF's own ``compute_gradients``, which works inside a step as is.
 
 ``apply`` (under ``apply_gradients``) is patched too, to skip the variables this rank does not hold
-(`apply_held`): each rank's optimizer builds slots for, and steps, its own variables only.
+(`apply_held`): each rank's optimizer builds slots for, and steps, its own variables only, one after
+another.
 
 Example:
     >>> install()
@@ -72,19 +73,47 @@ def get_gradients(self: Any, loss: tf.Tensor, params: Sequence[Any]) -> list[tf.
 
 
 def apply_held(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-    """``Optimizer.apply`` over the variables this rank holds: pairs whose variable another pipeline rank
-    owns (its storage released here, `residency`) are dropped before Keras builds slots or steps.
+    """``Optimizer.apply`` over the variables this rank holds, one variable's update after another.
 
-    So ``optimizer.apply_gradients(zip(grads, model.trainable_variables))`` in an SMP v1 loop keeps
-    Adam's moments for this rank's variables only, and steps nothing else.
+    Pairs whose variable another pipeline rank owns (its storage released here, `residency`) are
+    dropped before Keras builds slots or steps: ``optimizer.apply_gradients(zip(grads,
+    model.trainable_variables))`` in an SMP v1 loop keeps Adam's moments for this rank's variables
+    only, and steps nothing else.
+
+    Traced (the ``tf.function`` of a train step), each variable's update waits for the previous
+    one's: TensorFlow would otherwise run them all at once, each with its temporaries (Adam's are
+    the size of the variable), and a rank peaked after its last microbatch at 6.0 copies of its
+    variables with the overlap's inter-op pool and 4.5-4.75 in lockstep; in order, 4.6-4.9 and
+    4.25 (TensorFlow's allocator, the MLP of ``benchmarks/bench_memory.py`` at pp 2; 4 is the
+    floor: weights, Adam's two moments, the sum of the microbatches' gradients).
     """
     if trainable_variables is not None:
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if not is_released(v)]
         grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
-    return _BASE_APPLY(self, grads, trainable_variables)
+    if tf.executing_eagerly():
+        return _BASE_APPLY(self, grads, trainable_variables)
+    update_step = self.update_step
+    previous: list[Any] = []
+
+    def in_order(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        with tf.control_dependencies(previous):
+            out = update_step(gradient, variable, learning_rate)
+            previous[:] = [tf.identity(variable)]  # a read after the update (automatic control dependencies)
+        return out
+
+    own = self.__dict__.get("update_step", _NONE)
+    object.__setattr__(self, "update_step", in_order)  # past Keras's attribute tracking
+    try:
+        return _BASE_APPLY(self, grads, trainable_variables)
+    finally:
+        if own is _NONE:
+            object.__delattr__(self, "update_step")
+        else:
+            object.__setattr__(self, "update_step", own)
 
 
 _BASE_APPLY = BaseOptimizer.apply
+_NONE = object()
 
 
 def install() -> None:
