@@ -177,13 +177,28 @@ class StepFunction:
             with tf.control_dependencies(ops.checks):
                 for m, (a, k) in enumerate(parts):
                     state.microbatch = m
-                    results.append(_values(func(*a, **k)))
+                    with tf.control_dependencies(_after_previous(results)):
+                        results.append(_values(func(*a, **k)))
                 state.microbatch = None
                 state.num_microbatches = saved
                 return _finish(results, state.finish_step)
         finally:
             state.microbatch = None
             state.num_microbatches = saved
+
+
+def _after_previous(results: list[Any]) -> list[tf.Tensor]:
+    """Without a pipeline, what microbatch ``m`` waits for: every tensor microbatch ``m - 1`` returned.
+
+    With one partition nothing else orders the microbatches (a pipeline's exchanges do), and
+    TensorFlow would run them all at once, holding every microbatch's gradients together: the
+    step then peaked at 1.75x the memory of one Keras process (`benchmarks/bench_memory.py`, the
+    MLP at pp 1). One microbatch after the other, as SMP v1 ran them.
+    """
+    cfg = smp_state.current().cfg
+    if not results or (cfg is not None and int(cfg.pipeline_parallel_degree) > 1):
+        return []
+    return [x for x in tf.nest.flatten(results[-1], expand_composites=True) if isinstance(x, tf.Tensor)]
 
 
 def _values(result: Any) -> Any:

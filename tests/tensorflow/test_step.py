@@ -168,6 +168,38 @@ def test_inside_an_outer_tf_function_the_step_traces_into_its_graph() -> None:
     assert tf_state().step_traces == traces
 
 
+def _ancestors(op: tf.Operation) -> set[tf.Operation]:
+    seen: set[tf.Operation] = set()
+    todo = [op]
+    while todo:
+        o = todo.pop()
+        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_without_a_pipeline_each_microbatch_waits_for_the_previous_ones_results() -> None:
+    """pp 1: nothing else orders the microbatches, and run at once they held every microbatch's
+    gradients together (with a pipeline the engine's exchanges order them)."""
+    starts: list[tf.Operation] = []
+    ends: list[tf.Operation] = []
+
+    @step
+    def f(x: tf.Tensor) -> tf.Tensor:
+        starts.append(tf.identity(x).op)
+        y = tf.reduce_sum(tf.square(x))
+        ends.append(y.op)
+        return y
+
+    out = tf.function(lambda x: f(x).reduce_sum()).get_concrete_function(tf.TensorSpec(X.shape, tf.float32))
+    assert len(starts) == 4
+    waits = [ends[m - 1] in _ancestors(starts[m]) for m in range(1, 4)]
+    assert waits == [True] * 3
+    np.testing.assert_allclose(out(tf.constant(X)), float((X**2).sum()), rtol=1e-6)
+
+
 def test_finish_step_gets_the_flat_outputs_and_its_answer_is_used() -> None:
     calls: list[list[Any]] = []
 
