@@ -264,7 +264,7 @@ class StepOutput:
                         token = var.scatter_add(tf.IndexedSlices(x.values / n, x.indices, x.dense_shape))
                 elif m == 0 and n > 1:
                     token = var.assign(tf.cast(_dense(x), scaled_dtype))
-                elif m < n - 1:
+                elif m < n - 1 or (ours and n > 1):
                     token = var.assign_add(tf.cast(_dense(x), scaled_dtype))
                 else:
                     # The sum is scaled once, by the last microbatch: one pass over the variable per step
@@ -281,7 +281,14 @@ class StepOutput:
             # later read must see the true rank), a data dependence on the read that Grappler keeps
             # (a control dependence alone it may drop: the assign then ran too early), and a tensor
             # of its own (a slice would keep the whole read buffer alive).
-            var.assign(tf.gather(out, tf.zeros([0], tf.int32)))
+            emptied = var.assign(tf.gather(out, tf.zeros([0], tf.int32)))
+            if n > 1 and not sparse and zero is None:
+                # Scaled after the variable let go of the sum: the division then owns the buffer and
+                # writes in place, instead of holding a second copy of every gradient at once.
+                with tf.control_dependencies([emptied]):
+                    out = tf.identity(out) / tf.cast(n, scaled_dtype)
+        elif ours and n > 1 and not sparse and zero is None:
+            out = out / tf.cast(n, scaled_dtype)
         if shape is not None and not tf.executing_eagerly():
             out.set_shape(shape)
         return out
