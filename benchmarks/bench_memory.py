@@ -21,8 +21,10 @@ Models (layers of a fixed width, the rest of each model fixed):
 
 The torch MLP runs twice at pp > 1: with smp's defaults (``optimize: "speed"``, whose heap keeps
 freed blocks for the next step) and with ``optimize: "memory"`` (large blocks go back to the kernel;
-see ``frontends/torch/runtime/heap.py``). The median of ``--launches`` launches is taken for every
-figure. Then the line a user cares about
+see ``frontends/torch/runtime/heap.py``). The TensorFlow MLP runs twice at pp > 1: lockstep (the
+default for ranks that share the cores, as ``mpiexec`` starts them here) and with the overlap
+(``SMP_TF_OVERLAP=1``, the default for ranks bound to their cores, e.g. by Open MPI). The median of
+``--launches`` launches is taken for every figure. Then the line a user cares about
 (``--limit``): the most ``mlp`` layers that train under a hard per-process limit on data memory
 (``RLIMIT_DATA``, set by each process before it imports anything), one process against pp 2 and
 pp 4, for torch (``--limit-frontends``): TensorFlow's allocations escape ``RLIMIT_DATA`` (a Keras
@@ -58,6 +60,7 @@ STEPS = 3
 MICROBATCHES = int(os.environ.get("SMP_BENCH_MICROBATCHES", "4"))
 LIMIT_ENV = "SMP_BENCH_DATA_LIMIT"
 OPTIMIZE_ENV = "SMP_BENCH_OPTIMIZE"
+SETTING_LABEL = {"memory": "optimize: memory", "overlap": "overlap, as with ranks bound to cores"}
 
 
 # --- one process of a launch ---------------------------------------------------------------------
@@ -266,6 +269,8 @@ def launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | No
             cmd = [os.path.join(bin_dir, "mpiexec"), "-n", str(pp), sys.executable, me, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_LOG_LEVEL": "WARNING", "TF_CPP_MIN_LOG_LEVEL": "3",
                OPTIMIZE_ENV: optimize}
+        if frontend == "tensorflow" and pp:
+            env["SMP_TF_OVERLAP"] = "1" if optimize == "overlap" else "0"
         if limit is not None:
             env[LIMIT_ENV] = str(limit)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -369,12 +374,15 @@ def main(argv: list[str] | None = None) -> None:
             single = measure(frontend, model_name, 0, args.launches)
             base_peak = single[large][0]["peak"] - single[small][0]["peak"]
             base_steady = single[large][0]["steady"] - single[small][0]["steady"]
-            # torch: smp's default heap (optimize: speed) and, for the MLP, optimize: memory (heap.py)
-            settings = [(pp, "speed") for pp in degrees] + [(pp, "memory") for pp in degrees if pp > 1 and frontend
-                                                            == "torch" and model_name == "mlp"]
+            # torch: smp's default heap (optimize: speed) and, for the MLP, optimize: memory (heap.py);
+            # TensorFlow: the default here (lockstep: these ranks share the cores) and, for the MLP, the
+            # overlap that ranks bound to their cores get by default (engine/schedule.py)
+            extra = {"torch": "memory", "tensorflow": "overlap"}[frontend]
+            settings = [(pp, "speed") for pp in degrees] + [(pp, extra) for pp in degrees
+                                                            if pp > 1 and model_name == "mlp"]
             for pp, optimize in settings:
                 got = measure(frontend, model_name, pp, args.launches, optimize)
-                label = frontend if optimize == "speed" else f"{frontend} (optimize: memory)"
+                label = frontend if optimize == "speed" else f"{frontend} ({SETTING_LABEL[optimize]})"
                 shares = [((got[large][r]["peak"] - got[small][r]["peak"]) / base_peak,
                            (got[large][r]["steady"] - got[small][r]["steady"]) / base_steady) for r in range(pp)]
                 cells = "  ".join(f"{a:.2f} ({b:.2f})" for a, b in shares)
@@ -405,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     headline = []
     for row in rows:
         if row["kind"] == "marginal" and row["model"] == "mlp" and row["pp"] in (2, 4):
-            setting = "" if row.get("optimize", "speed") == "speed" else " (optimize: memory)"
+            setting = "" if row.get("optimize", "speed") == "speed" else f" ({SETTING_LABEL[row['optimize']]})"
             headline.append({"what": f"{row['frontend']}{setting} deep MLP, memory per rank at pp {row['pp']} / one "
                                      "process (marginal peak, worst rank)", "value": f"{max(row['peak_share']):.2f}x"})
         if row["kind"] == "largest":
