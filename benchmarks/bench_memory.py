@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
                            (got[large][r]["steady"] - got[small][r]["steady"]) / base_steady) for r in range(pp)]
                 cells = "  ".join(f"{a:.2f} ({b:.2f})" for a, b in shares)
                 marginal.add(label, model_name, f"{small} -> {large}", pp, f"{base_peak / MiB:.0f} MiB", cells)
-                print(f"{label:<26}{model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
+                print(f"{label:<26} {model_name:<7}{f'{small}->{large}':>8}{pp:>4}  {base_peak / MiB:>8.0f} MiB  "
                       f"{cells}", flush=True)
                 rows.append({"kind": "marginal", "frontend": frontend, "optimize": optimize, "model": model_name,
                              "layers": [small, large],
