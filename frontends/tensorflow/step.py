@@ -47,7 +47,7 @@ from smp.step import StepSpec, aggregate_outputs, split_arguments
 from smp.structure import map_structure
 
 from .state import tf_state
-from .step_output import StepOutput, TFStepOps
+from .step_output import NEXT_MICROBATCH, StepOutput, TFStepOps
 
 # AutoGraph turns an error raised while it traces the user's @tf.function into its StagingError
 # unless it can rebuild the error's class from a message (not ours: they subclass ValueError & co.).
@@ -175,30 +175,47 @@ class StepFunction:
             # Every op of the step (the body, the engine's transfers, the finish_step callbacks) runs after the
             # runtime split checks, so a bad batch size fails before any rank sends or waits for a message.
             with tf.control_dependencies(ops.checks):
+                starts: list[tf.Operation | None] = []
                 for m, (a, k) in enumerate(parts):
                     state.microbatch = m
-                    with tf.control_dependencies(_after_previous(results)):
+                    starts.append(_start_after(results))
+                    with tf.control_dependencies([starts[-1]] if starts[-1] is not None else []):
                         results.append(_values(func(*a, **k)))
                 state.microbatch = None
                 state.num_microbatches = saved
-                return _finish(results, state.finish_step)
+                return _link_next(_finish(results, state.finish_step), starts)
         finally:
             state.microbatch = None
             state.num_microbatches = saved
 
 
-def _after_previous(results: list[Any]) -> list[tf.Tensor]:
-    """Without a pipeline, what microbatch ``m`` waits for: every tensor microbatch ``m - 1`` returned.
+def _start_after(results: list[Any]) -> tf.Operation | None:
+    """Without a pipeline, the op microbatch ``m`` starts after: it waits for every tensor microbatch
+    ``m - 1`` returned (None for microbatch 0, or with a pipeline, whose exchanges order them).
 
-    With one partition nothing else orders the microbatches (a pipeline's exchanges do), and
-    TensorFlow would run them all at once, holding every microbatch's gradients together: the
-    step then peaked at 1.75x the memory of one Keras process (`benchmarks/bench_memory.py`, the
-    MLP at pp 1). One microbatch after the other, as SMP v1 ran them.
+    Nothing else orders the microbatches, and TensorFlow ran them all at once, holding every
+    microbatch's gradients together: the MLP of ``benchmarks/bench_memory.py`` at pp 1 peaked at
+    5.7 copies of its weights (TensorFlow's allocator). `StepOutput.accumulate` makes the op also
+    wait for its sum of microbatch ``m - 1`` (`NEXT_MICROBATCH`), so a microbatch's gradients are
+    added and freed before the next one computes its own.
     """
     cfg = smp_state.current().cfg
     if not results or (cfg is not None and int(cfg.pipeline_parallel_degree) > 1):
-        return []
-    return [x for x in tf.nest.flatten(results[-1], expand_composites=True) if isinstance(x, tf.Tensor)]
+        return None
+    previous = [x for x in tf.nest.flatten(results[-1], expand_composites=True) if isinstance(x, tf.Tensor)]
+    with tf.control_dependencies(previous):
+        return tf.no_op(name="smp_microbatch_start")
+
+
+def _link_next(results: list[Any], starts: list[tf.Operation | None]) -> list[Any]:
+    """Mark each tensor microbatch ``m`` returns with the start op of microbatch ``m + 1``."""
+    for m, result in enumerate(results[:-1]):
+        if starts[m + 1] is None:
+            continue
+        for x in tf.nest.flatten(result, expand_composites=True):
+            if isinstance(x, tf.Tensor) and not tf.executing_eagerly():
+                setattr(x, NEXT_MICROBATCH, starts[m + 1])
+    return results
 
 
 def _values(result: Any) -> Any:

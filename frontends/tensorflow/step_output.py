@@ -47,6 +47,18 @@ logger = logging.getLogger("smp")
 ACCUMULATE_METHODS = ("add_n", "accumulate_n", "variable")
 
 
+NEXT_MICROBATCH = "_smp_next_microbatch"  # on a step's output tensor (pp 1): the start op of the next microbatch
+
+
+def _next_waits(x: Any, token: Any) -> None:
+    """Make the next microbatch's start (`NEXT_MICROBATCH` of ``x``, set by the step without a pipeline) wait
+    for ``token``, the sum that consumed ``x``: so ``x`` is freed before the next microbatch computes."""
+    start = getattr(x.values if isinstance(x, tf.IndexedSlices) else x, NEXT_MICROBATCH, None)
+    op = getattr(token, "op", None)
+    if start is not None and op is not None and op.graph is start.graph:
+        start._add_control_inputs([op])  # noqa: SLF001 - the start op is ours, its graph still being traced
+
+
 def _dense(x: Any) -> Any:
     """``x`` as a dense tensor (IndexedSlices from an embedding's gradient, numpy arrays)."""
     return x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x)
@@ -253,11 +265,10 @@ class StepOutput:
         sparse = any(isinstance(x, tf.IndexedSlices) for x in self.outputs)
         for m, x in enumerate(self.outputs if zero is None else []):
             with tf.control_dependencies([token] if token is not None else []):
-                if sparse:
-                    if not isinstance(x, tf.IndexedSlices) or x.dense_shape is None:
-                        value = _dense(x) / n
-                        token = var.assign(value) if m == 0 else var.assign_add(value)
-                        continue
+                if sparse and (not isinstance(x, tf.IndexedSlices) or x.dense_shape is None):
+                    value = _dense(x) / n
+                    token = var.assign(value) if m == 0 else var.assign_add(value)
+                elif sparse:
                     if m == 0:
                         token = var.assign(tf.zeros(x.dense_shape, scaled_dtype))
                     with tf.control_dependencies([token]):
@@ -271,6 +282,7 @@ class StepOutput:
                     # instead of one per microbatch (exact for a power-of-two count, else within rounding).
                     total = _dense(x) if m == 0 else var.read_value() + tf.cast(_dense(x), scaled_dtype)
                     token = var.assign(total / n)
+            _next_waits(x, token)
         with tf.control_dependencies([token]):
             out = tf.identity(var.read_value())
         if ours and out.shape.rank != 0:

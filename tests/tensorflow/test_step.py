@@ -180,24 +180,36 @@ def _ancestors(op: tf.Operation) -> set[tf.Operation]:
     return seen
 
 
-def test_without_a_pipeline_each_microbatch_waits_for_the_previous_ones_results() -> None:
-    """pp 1: nothing else orders the microbatches, and run at once they held every microbatch's
-    gradients together (with a pipeline the engine's exchanges order them)."""
+def test_without_a_pipeline_each_microbatch_waits_for_the_previous_ones_results_and_their_sum() -> None:
+    """pp 1: nothing else orders the microbatches; run at once, or ahead of the sums, they held several
+    microbatches' gradients together (with a pipeline the engine's exchanges order them)."""
     starts: list[tf.Operation] = []
     ends: list[tf.Operation] = []
 
     @step
     def f(x: tf.Tensor) -> tf.Tensor:
         starts.append(tf.identity(x).op)
-        y = tf.reduce_sum(tf.square(x))
+        y = tf.reduce_sum(tf.square(x), axis=0)
         ends.append(y.op)
         return y
 
-    out = tf.function(lambda x: f(x).reduce_sum()).get_concrete_function(tf.TensorSpec(X.shape, tf.float32))
-    assert len(starts) == 4
-    waits = [ends[m - 1] in _ancestors(starts[m]) for m in range(1, 4)]
-    assert waits == [True] * 3
-    np.testing.assert_allclose(out(tf.constant(X)), float((X**2).sum()), rtol=1e-6)
+    def summed(method: str) -> Any:
+        starts.clear()
+        ends.clear()
+        fn = tf.function(lambda x: f(x).accumulate(method)).get_concrete_function(tf.TensorSpec(X.shape, tf.float32))
+        del starts[:-4], ends[:-4]  # the last trace (a new accumulator variable makes tf.function trace twice)
+        return fn
+
+    fn = summed("variable")
+    sums = ["AssignVariableOp"] + ["AssignAddVariableOp"] * 2  # microbatch 0's value, then what adds 1 and 2
+    for m in range(1, 4):
+        before = _ancestors(starts[m])
+        assert ends[m - 1] in before
+        assert sums[m - 1] in {op.type for op in before if op not in _ancestors(ends[m - 1])}, m
+    np.testing.assert_allclose(fn(tf.constant(X)), (X.reshape(4, 2, 6) ** 2).sum(1).mean(0), rtol=1e-6)
+    fn = summed("add_n")  # a dataflow sum: the order of the results only
+    assert all(ends[m - 1] in _ancestors(starts[m]) for m in range(1, 4))
+    np.testing.assert_allclose(fn(tf.constant(X)), (X.reshape(4, 2, 6) ** 2).sum(1).mean(0), rtol=1e-6)
 
 
 def test_finish_step_gets_the_flat_outputs_and_its_answer_is_used() -> None:
