@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from smp.tensorflow import optimizers  # noqa: E402
 
+from tests.helpers.tf_graph import ancestors  # noqa: E402
+
 SHAPES = [(6, 5), (5,), (5, 3), (3,)]
 
 
@@ -24,18 +26,6 @@ def patched() -> Iterator[None]:
     optimizers.install()
     yield
     optimizers.uninstall()
-
-
-def _ancestors(op: tf.Operation) -> set[tf.Operation]:
-    seen: set[tf.Operation] = set()
-    todo = [op]
-    while todo:
-        o = todo.pop()
-        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
 
 
 def _train(steps: int) -> tuple[list[np.ndarray], tf.Graph, list[tf.Variable]]:
@@ -69,7 +59,7 @@ def _update_ops(graph: tf.Graph, variables: list[tf.Variable]) -> list[tuple[lis
 
 
 def _waits_for(ops: list[tf.Operation], op: tf.Operation) -> bool:
-    return op in set().union(*[_ancestors(o) for o in ops])
+    return op in set().union(*[ancestors(o) for o in ops])
 
 
 def test_traced_updates_run_one_variable_after_another_with_keras_values(patched: None) -> None:

@@ -24,6 +24,7 @@ from smp.tensorflow.step import FinishStepError, StepFunctionCalledError, step  
 from smp.tensorflow.step_output import StepOutput  # noqa: E402
 
 from smp.errors import NotInitializedError, TensorSplitError  # noqa: E402
+from tests.helpers.tf_graph import ancestors  # noqa: E402
 
 X = np.arange(48, dtype=np.float32).reshape(8, 6)
 
@@ -168,18 +169,6 @@ def test_inside_an_outer_tf_function_the_step_traces_into_its_graph() -> None:
     assert tf_state().step_traces == traces
 
 
-def _ancestors(op: tf.Operation) -> set[tf.Operation]:
-    seen: set[tf.Operation] = set()
-    todo = [op]
-    while todo:
-        o = todo.pop()
-        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
-
-
 def test_without_a_pipeline_each_microbatch_waits_for_the_previous_ones_results_and_their_sum() -> None:
     """pp 1: nothing else orders the microbatches; run at once, or ahead of the sums, they held several
     microbatches' gradients together (with a pipeline the engine's exchanges order them)."""
@@ -203,12 +192,12 @@ def test_without_a_pipeline_each_microbatch_waits_for_the_previous_ones_results_
     fn = summed("variable")
     sums = ["AssignVariableOp"] + ["AssignAddVariableOp"] * 2  # microbatch 0's value, then what adds 1 and 2
     for m in range(1, 4):
-        before = _ancestors(starts[m])
+        before = ancestors(starts[m])
         assert ends[m - 1] in before
-        assert sums[m - 1] in {op.type for op in before if op not in _ancestors(ends[m - 1])}, m
+        assert sums[m - 1] in {op.type for op in before if op not in ancestors(ends[m - 1])}, m
     np.testing.assert_allclose(fn(tf.constant(X)), (X.reshape(4, 2, 6) ** 2).sum(1).mean(0), rtol=1e-6)
     fn = summed("add_n")  # a dataflow sum: the order of the results only
-    assert all(ends[m - 1] in _ancestors(starts[m]) for m in range(1, 4))
+    assert all(ends[m - 1] in ancestors(starts[m]) for m in range(1, 4))
     np.testing.assert_allclose(fn(tf.constant(X)), (X.reshape(4, 2, 6) ** 2).sum(1).mean(0), rtol=1e-6)
 
 
