@@ -209,11 +209,13 @@ def _start_after(results: list[Any]) -> tf.Operation | None:
 
 def _link_next(results: list[Any], starts: list[tf.Operation | None]) -> list[Any]:
     """Mark each tensor microbatch ``m`` returns with the start op of microbatch ``m + 1``."""
+    if tf.executing_eagerly():
+        return results
     for m, result in enumerate(results[:-1]):
         if starts[m + 1] is None:
             continue
         for x in tf.nest.flatten(result, expand_composites=True):
-            if isinstance(x, tf.Tensor) and not tf.executing_eagerly():
+            if isinstance(x, tf.Tensor):
                 setattr(x, NEXT_MICROBATCH, starts[m + 1])
     return results
 
