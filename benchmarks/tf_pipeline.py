@@ -267,7 +267,8 @@ def main() -> None:
         rows = [(label, statistics.median(r[i][1] for r in rounds), how, rank1)
                 for i, (label, _, how, rank1) in enumerate(rounds[0])]
         one = min(t for label, t, _, _ in rows if label.startswith("one process, bound"))
-        bound = next(t for label, t, _, _ in rows if label.startswith("compute only"))
+        bound_row = next(i for i, row in enumerate(rows) if row[0].startswith("compute only"))
+        bound = rows[bound_row][1]
         load = os.getloadavg()
         table = Table(f"{BLOCKS} x Dense({WIDTH}, tanh) + Dense({CLASSES}), {M} microbatches of {mb} rows, SGD; "
                       f"median of {args.steps} steps after {args.warmup} warm-up, median over {args.rounds} rounds; "
@@ -292,7 +293,6 @@ def main() -> None:
                                   f"{args.rounds} rounds)"})
         # Paired: each round's default step over the compute-only bound timed by the same processes right
         # after it (the two halves of one launch see the same load; separate medians do not).
-        bound_row = next(i for i, row in enumerate(rows) if row[0].startswith("compute only"))
         paired = [r[default][1] / r[bound_row][1] for r in rounds]
         line = (f"smp pp2 (the default) / its compute-only bound, paired by launch: median "
                 f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f}, {args.rounds} rounds)")
