@@ -56,7 +56,9 @@ def test_keep_leaves_glibc_its_arena_per_thread() -> None:
 
 def _faults_per_round(keep: bool) -> float:
     """Minor page faults of this thread per round of a 40 MiB buffer made, touched and freed after
-    smp.init, once the heap has settled."""
+    smp.init, once the heap has settled: the quietest of five windows of four rounds (the kernel's
+    own reclaim, e.g. DAMON paging out cold library pages under a loaded machine, adds faults to a
+    window now and then; the heap's own faults come back in every window)."""
     import resource
 
     import smp.torch as smp
@@ -71,18 +73,23 @@ def _faults_per_round(keep: bool) -> float:
 
     for _ in range(10):  # the heap settles: its first rounds may still grow it (fresh pages)
         round_()
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    for _ in range(10):
-        round_()
-    return (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / 10
+    windows = []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(4):
+            round_()
+        windows.append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / 4)
+    return min(windows)
 
 
 def test_freed_memory_stays_mapped_for_the_next_step() -> None:
     # glibc's default serves a block above 32 MiB (the most its own mmap threshold rises to) with
     # fresh pages every time (5,120 faults a round here for the 10,240 pages of 40 MiB); with smp's
     # thresholds the heap keeps it, and a settled heap faults nothing.
-    assert all(f < 50 for f in run_ranks(_faults_per_round, 2, args=(False,))), "freed buffers were unmapped"
-    assert all(f >= 2_000 for f in run_ranks(_faults_per_round, 2, args=(True,)))
+    faults = run_ranks(_faults_per_round, 2, args=(False,))
+    assert all(f < 50 for f in faults), f"freed buffers were unmapped: {faults} faults a round per rank"
+    faults = run_ranks(_faults_per_round, 2, args=(True,))
+    assert all(f >= 2_000 for f in faults), f"glibc's default kept the buffer mapped: {faults} faults a round"
 
 
 class _MallInfo2(ctypes.Structure):
