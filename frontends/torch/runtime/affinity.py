@@ -22,12 +22,19 @@ in one process per rank, gains less from the same binding (Llama 756 / 785 / 776
 The ``i``-th rank of the host then takes the ``i``-th of ``count`` equal blocks of the CPUs ordered by
 (package, core, CPU), so SMT siblings stay together and a block is whole cores where the counts
 allow; every thread the process already has moves there, and threads started later inherit it.
-torch's intra-op thread count is left as it is: it decides how a reduction splits (a LayerNorm's
-weight gradient summed by 2 threads differs in the last bits from 1 thread's sum), so changing it
-would change the numbers of training; where it exceeds the block, rank 0 says so once
-(torchrun already sets ``OMP_NUM_THREADS=1`` per rank). ``SMP_CPU_AFFINITY=keep`` leaves the mask
-as it is. `restore` (called by ``smp.reset()``) gives the threads their mask back. Rank 0 logs
-what was bound where (`describe`).
+torch's intra-op threads then number at most the block's CPUs where the launch did not choose
+their count: torch starts one per CPU of the whole host, and more threads than CPUs take turns
+at every parallel region (a spinning barrier each time). The HF Llama of
+``benchmarks/bench_sweep.py`` (h512, 2 ranks on 2 cores, smp's defaults) stepped in 1.60-1.73 s
+with 2 threads per 1-CPU rank against 1.34-1.43 s with 1 (three paired launches), and the
+automatic partition's trace, timed on the same oversubscribed rank, stretched a decoder layer
+20 times and the LM head only 4 times, so it cut elsewhere (whole layers 0-3 | 4-7 against the cut inside layer 4 that one thread
+gives). The count decides how a reduction splits (2 threads sum a LayerNorm's weight gradient in
+another order than 1), so ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the environment (torchrun
+sets ``OMP_NUM_THREADS=1`` per rank) keeps the count as it is; rank 0 says so where it exceeds the
+block. ``SMP_CPU_AFFINITY=keep`` leaves the mask and the count as they are. `restore` (called by
+``smp.reset()``) gives the threads their mask and torch its count back. Rank 0 logs what was bound
+where (`describe`).
 """
 
 from __future__ import annotations
@@ -45,12 +52,15 @@ __all__ = ["Binding", "bind", "bind_local_rank", "describe", "host_slot", "plan"
 
 log = logging.getLogger(__name__)
 
+_THREAD_COUNT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # a count the launch chose: `bind` keeps it
+
 @dataclass(frozen=True)
 class Binding:
     """What `bind_local_rank` changed: the CPUs it bound to, and the mask to give back."""
 
     cpus: tuple[int, ...]
     before: frozenset[int]
+    threads_before: int | None = None  # torch's intra-op thread count before `bind` lowered it
 
 
 def plan(mask: set[int], online: set[int], local_rank: int, local_size: int,
@@ -130,11 +140,19 @@ def bind(index: int, count: int, env: Mapping[str, str] | None = None) -> Bindin
         return None
     _set_all_threads(set(cpus))
     threads = torch.get_num_threads()
-    if threads > len(cpus) and index == 0:
-        log.info("torch runs %d intra-op threads on this rank's %d CPU(s); torch.set_num_threads(%d) "
-                 "(or OMP_NUM_THREADS) avoids them taking turns, at the price of other last bits in "
-                 "reductions", threads, len(cpus), len(cpus))
-    return Binding(cpus, frozenset(before))
+    if threads <= len(cpus):
+        return Binding(cpus, frozenset(before))
+    chosen = [k for k in _THREAD_COUNT_ENV if env.get(k)]
+    if chosen:
+        if index == 0:
+            log.info("torch runs %d intra-op threads on this rank's %d CPU(s) (%s set); they take turns "
+                     "on them", threads, len(cpus), chosen[0])
+        return Binding(cpus, frozenset(before))
+    torch.set_num_threads(len(cpus))
+    if index == 0:
+        log.info("torch's intra-op threads: %d -> %d, one per CPU of this rank (OMP_NUM_THREADS keeps a count "
+                 "of your own)", threads, len(cpus))
+    return Binding(cpus, frozenset(before), threads)
 
 
 def bind_local_rank(launch: Launch, env: Mapping[str, str] | None = None) -> Binding | None:
@@ -174,6 +192,8 @@ def describe(hosts: Sequence[str], bound: Sequence[tuple[int, ...] | None], max_
 
 
 def restore(binding: Binding | None) -> None:
-    """Undo `bind_local_rank`: every thread's mask as it was."""
+    """Undo `bind_local_rank`: every thread's mask, and torch's thread count, as they were."""
     if binding is not None:
         _set_all_threads(set(binding.before))
+        if binding.threads_before is not None:
+            torch.set_num_threads(binding.threads_before)

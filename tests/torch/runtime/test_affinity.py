@@ -72,7 +72,10 @@ def _train(setup: str) -> dict[str, Any]:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     elif setup == "two agents":  # two torchrun agents of one rank each on this host: both say local rank 0 of 1
         os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-    torch.set_num_threads(2)
+    elif setup == "no thread count":  # a launcher that sets no OMP_NUM_THREADS (mpiexec, plain python)
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.pop(k, None)
+    torch.set_num_threads(2)  # torch's own default on this 2-CPU host
     before = _masks()
     train_relu_loop(smp, 16, 1)
     during, threads = _masks(), torch.get_num_threads()  # the engine's threads exist by now
@@ -92,9 +95,18 @@ def test_two_ranks_run_on_disjoint_cores_and_reset_gives_the_mask_back(setup: st
     mine = [set(next(iter(o["during"]))) for o in out]
     assert mine[0].isdisjoint(mine[1]) and mine[0] | mine[1] <= everything
     assert len(mine[0]) == len(mine[1]) == len(everything) // 2
-    # torch's intra-op threads as the script set them: their count decides how reductions split
+    # torch's intra-op threads as the launch set them (the helper sets OMP_NUM_THREADS, as torchrun does):
+    # their count decides how reductions split
     assert all(o["threads"] == 2 for o in out)
     assert all(o["after"] == o["before"] and o["threads_after"] == 2 for o in out)
+
+
+@needs_two_cpus
+def test_a_launch_without_a_thread_count_gets_one_thread_per_cpu_of_the_rank() -> None:
+    # Two threads on a rank's one CPU take turns at every parallel region; smp.reset() gives the count back.
+    for o in run_ranks(_train, 2, args=("no thread count",)):
+        assert len(next(iter(o["during"]))) == 1 and o["threads"] == 1
+        assert o["after"] == o["before"] and o["threads_after"] == 2
 
 
 @needs_two_cpus
