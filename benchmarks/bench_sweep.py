@@ -216,15 +216,39 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor], pro
 
     plan = next(iter(model.plans.values())) if model.plans else None
     decided = (plan.schedule if plan is not None else "") or current().cfg.pipeline
-    rank1 = sorted(p for p, r in model.partition_assignment.items() if r == 1 and p.count(".") <= 2)
+    rank1 = _compact(model.partition_assignment)
     smp.reset()
-    return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {_compact(rank1)}", breakdown
+    return times, f"{decided} chain {len(plan.chain) if plan else 0}; rank 1: {rank1}", breakdown
 
 
-def _compact(paths: list[str]) -> str:
-    layers = sorted(int(p.rsplit(".", 1)[1]) for p in paths if p.startswith("model.layers.") and p.count(".") == 2)
-    others = [p for p in paths if not p.startswith("model.layers") and p != "model"]
-    return (f"layers {layers[0]}-{layers[-1]}" if layers else "") + (", " + ", ".join(others) if others else "")
+def _compact(assignment: dict[str, int]) -> str:
+    """What rank 1 holds: its whole decoder layers as a range, the parts of a layer cut inside it
+    (``4.mlp``), and the other top modules.
+
+    Example:
+        >>> _compact({"model.layers.4.self_attn": 0, "model.layers.4.mlp": 1, "model.layers.5.mlp": 1,
+        ...           "model.layers.5.self_attn": 1, "lm_head": 1, "model": 0})
+        'layers 4.mlp, 5, lm_head'
+    """
+    parts: dict[int, dict[str, int]] = {}
+    for path, rank in assignment.items():
+        bits = path.split(".")
+        if path.startswith("model.layers.") and len(bits) == 4:
+            parts.setdefault(int(bits[2]), {})[bits[3]] = rank
+    whole = [i for i in sorted(parts) if all(r == 1 for r in parts[i].values())]
+    split = [f"{i}.{name}" for i in sorted(parts) if i not in whole for name, r in parts[i].items()
+             if r == 1 and "norm" not in name]
+    runs: list[list[int]] = []
+    for i in whole:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    layers = split + [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    layers.sort(key=lambda x: float(x.split("-")[0].split(".")[0]) + (0.0 if "." in x else 0.5))
+    others = sorted(p for p, r in assignment.items() if r == 1 and p.count(".") <= 1 and not p.startswith("model.layers")
+                    and p != "model")
+    return ", ".join((["layers " + ", ".join(layers)] if layers else []) + others)
 
 
 def launch(shape: str, rounds: int, steps: int, warmup: int,
@@ -369,9 +393,12 @@ def main() -> None:
     where = Table("Where smp's step goes (defaults, the last step of the last round; ms per step): each stage's "
                   "compute alone, in one process, times the microbatches, then per rank of smp the busy time of "
                   "its forward / backward / weight actions, the idle time between its first and last action, "
-                  "and the rest of the step besides the optimizer",
+                  "and the rest of the step besides the optimizer; the last column is the busier rank's busy time "
+                  "and optimizer over torch 1F1B's median step: no schedule steps faster than that rank computes, "
+                  "at the speed its kernels run in the pipeline",
                   ["shape", "stage compute alone (F + B, rank 0 / rank 1)", "smp rank 0: F / B / W, idle, rest",
-                   "smp rank 1: F / B / W, idle, rest", "optimizer (rank 0 / 1)", "step"])
+                   "smp rank 1: F / B / W, idle, rest", "optimizer (rank 0 / 1)", "step",
+                   "busier rank's compute / torch 1F1B"])
     if args.kernels:
         for shape in shapes:
             kernels(shape, args.rounds, args.steps, args.warmup)
@@ -401,7 +428,8 @@ def main() -> None:
         where.add(shape, " / ".join(f"{f * m * 1e3:.0f} + {b * m * 1e3:.0f}" for f, b in alone),
                   *[f"{p['F'] * 1e3:.0f} / {p['B'] * 1e3:.0f} / {p['W'] * 1e3:.0f}, {p['idle'] * 1e3:.0f}, "
                     f"{p['outside'] * 1e3:.0f}" for p in parts],
-                  " / ".join(f"{p['optimizer'] * 1e3:.0f}" for p in parts), f"{max(p['step'] for p in parts) * 1e3:.0f}")
+                  " / ".join(f"{p['optimizer'] * 1e3:.0f}" for p in parts), f"{max(p['step'] for p in parts) * 1e3:.0f}",
+                  f"{max(p['F'] + p['B'] + p['W'] + p['optimizer'] for p in parts) / statistics.median(got['torch 1F1B']):.2f}")
         rows.append({"shape": shape, "dims": SHAPES[shape], "single_ms": one * 1e3, "per_microbatch_stage_ms":
                      per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
                      **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"],
