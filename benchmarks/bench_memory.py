@@ -25,11 +25,14 @@ see ``frontends/torch/runtime/heap.py``). The TensorFlow MLP runs twice at pp > 
 default for ranks that share the cores, as ``mpiexec`` starts them here) and with the overlap
 (``SMP_TF_OVERLAP=1``, the default for ranks bound to their cores, e.g. by Open MPI). The median of
 ``--launches`` launches is taken for every figure. Then the line a user cares about
-(``--limit``): the most ``mlp`` layers that train under a hard per-process limit on data memory
-(``RLIMIT_DATA``, set by each process before it imports anything), one process against pp 2 and
-pp 4, for torch (``--limit-frontends``): TensorFlow's allocations escape ``RLIMIT_DATA`` (a Keras
-process trained 80 ``Dense(2048)`` layers with Adam, several GiB, under a 2 GiB limit), so the
-search stops with an error when a process outgrows the limit.
+(``--limit``): the most ``mlp`` layers that train under a hard per-process memory limit, one
+process against pp 2 and pp 4, both frontends. Each process puts itself, before it imports
+anything, in a memory cgroup of its own whose limit is the per-process limit (the kernel ends a
+process that outgrows it), where the cgroup (v1) memory controller is writable, as it is for root
+on our machines; elsewhere torch's processes run under ``RLIMIT_DATA`` instead, and TensorFlow is
+left out: its allocations escape ``RLIMIT_DATA`` (a Keras process trained 80 ``Dense(2048)`` layers
+with Adam, several GiB, under a 2 GiB limit), and the search stops with an error when a process
+outgrows the limit.
 
 Run::
 
@@ -49,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +63,8 @@ FRONTEND = {"mlp": ("torch", "tensorflow"), "gpt": ("torch",), "llama": ("torch"
 STEPS = 3
 MICROBATCHES = int(os.environ.get("SMP_BENCH_MICROBATCHES", "4"))
 LIMIT_ENV = "SMP_BENCH_DATA_LIMIT"
+CGROUP_ENV = "SMP_BENCH_CGROUP"  # a memory cgroup directory: each process of a launch makes its own, limited, in it
+CGROUP_ROOT = "/sys/fs/cgroup/memory"  # the cgroup v1 memory controller
 OPTIMIZE_ENV = "SMP_BENCH_OPTIMIZE"
 SETTING_LABEL = {"memory": "optimize: memory", "overlap": "overlap, as with ranks bound to cores"}
 
@@ -239,10 +245,30 @@ def _tf_child(model_name: str, layers: int, pp: int) -> dict[str, Any]:
     return {"rank": rank, "peak": _peak() - base, "steady": _rss() - base}
 
 
+def _enter_cgroup(parent: str, limit: int) -> None:
+    """This process alone in a new memory cgroup in ``parent``, limited to ``limit`` bytes (swap included
+    where the kernel counts it): the kernel ends the process when it outgrows the limit."""
+    mine = os.path.join(parent, str(os.getpid()))
+    os.mkdir(mine)
+    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+        if os.path.exists(os.path.join(mine, name)):
+            with open(os.path.join(mine, name), "w") as f:
+                f.write(str(limit))
+    with open(os.path.join(mine, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def cgroup_available() -> bool:
+    """Whether this process may make memory cgroups (`_enter_cgroup`)."""
+    return os.access(CGROUP_ROOT, os.W_OK) and os.path.exists(os.path.join(CGROUP_ROOT, "memory.limit_in_bytes"))
+
+
 def child(argv: list[str]) -> None:
     frontend, model_name, layers, pp, out = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     limit = os.environ.get(LIMIT_ENV)
-    if limit:  # before anything is imported: the whole process lives under the limit
+    if limit and os.environ.get(CGROUP_ENV):  # before anything is imported: the whole process lives under it
+        _enter_cgroup(os.environ[CGROUP_ENV], int(limit))
+    elif limit:
         resource.setrlimit(resource.RLIMIT_DATA, (int(limit), int(limit)))
     run = _torch_child if frontend == "torch" else _tf_child
     got = run(model_name, layers, pp)
@@ -253,8 +279,28 @@ def child(argv: list[str]) -> None:
 # --- launches --------------------------------------------------------------------------------------
 
 def launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | None = None,
-           timeout: float = 600, optimize: str = "speed") -> list[dict[str, Any]] | None:
-    """One launch; each rank's figures by rank, or None when it failed (under ``limit``: out of memory)."""
+           timeout: float = 600, optimize: str = "speed", cgroup: bool = False) -> list[dict[str, Any]] | None:
+    """One launch; each rank's figures by rank, or None when it failed (under ``limit``: out of memory).
+
+    ``cgroup``: the limit is each process's own memory cgroup (`_enter_cgroup`), not ``RLIMIT_DATA``."""
+    if limit is not None and cgroup:
+        parent = tempfile.mkdtemp(prefix="smp-bench-", dir=CGROUP_ROOT)  # a cgroup: the kernel fills it
+        try:
+            return _launch(frontend, model_name, layers, pp, limit, timeout, optimize, parent)
+        finally:
+            for _ in range(50):  # the last process may still be leaving its cgroup
+                try:
+                    for mine in [e.path for e in os.scandir(parent) if e.is_dir()]:
+                        os.rmdir(mine)
+                    os.rmdir(parent)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    return _launch(frontend, model_name, layers, pp, limit, timeout, optimize, None)
+
+
+def _launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | None, timeout: float,
+            optimize: str, cgroup: str | None) -> list[dict[str, Any]] | None:
     me = os.path.abspath(__file__)
     bin_dir = os.path.dirname(sys.executable)
     with tempfile.TemporaryDirectory(prefix="smp-mem-") as tmp:
@@ -273,6 +319,8 @@ def launch(frontend: str, model_name: str, layers: int, pp: int, limit: int | No
             env["SMP_TF_OVERLAP"] = "1" if optimize == "overlap" else "0"
         if limit is not None:
             env[LIMIT_ENV] = str(limit)
+        if cgroup is not None:
+            env[CGROUP_ENV] = cgroup
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             if limit is None:
@@ -307,16 +355,16 @@ def measure(frontend: str, model_name: str, pp: int, launches: int, optimize: st
     return out
 
 
-def largest(frontend: str, pp: int, limit: int, start: int) -> int:
+def largest(frontend: str, pp: int, limit: int, start: int, cgroup: bool = False) -> int:
     """The most ``mlp`` layers (a multiple of max(pp, 1)) that train with every process under ``limit``."""
     step = max(pp, 1)
     ok, bad = 0, None
     layers = max(step, start - start % step)
     while bad is None:  # grow until a launch fails
-        got = launch(frontend, "mlp", layers, pp, limit=limit)
+        got = launch(frontend, "mlp", layers, pp, limit=limit, cgroup=cgroup)
         if got and max(r["peak"] for r in got) > limit:
             sys.exit(f"{frontend}: a process grew by {max(r['peak'] for r in got) / MiB:.0f} MiB under a "
-                     f"{limit / MiB:.0f} MiB RLIMIT_DATA: the limit does not bind its allocator, so the search "
+                     f"{limit / MiB:.0f} MiB limit: the limit does not bind its allocator, so the search "
                      "would measure nothing (leave it out of --limit-frontends)")
         if got:
             ok, layers = layers, layers * 2
@@ -326,7 +374,7 @@ def largest(frontend: str, pp: int, limit: int, start: int) -> int:
         mid = (ok + bad) // 2 // step * step
         if mid <= ok:
             break
-        if launch(frontend, "mlp", mid, pp, limit=limit):
+        if launch(frontend, "mlp", mid, pp, limit=limit, cgroup=cgroup):
             ok = mid
         else:
             bad = mid
@@ -345,11 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=MICROBATCHES,
                    help="microbatches of the smp runs (the one-process baseline runs the whole batch)")
-    p.add_argument("--limit-mib", type=int, default=2048, help="per-process data limit of the largest-model line")
+    p.add_argument("--limit-mib", type=int, default=2048, help="per-process memory limit of the largest-model line")
     p.add_argument("--no-limit", action="store_true", help="skip the largest-model search")
-    p.add_argument("--limit-frontends", default="torch",
-                   help="frontends of the largest-model search (TensorFlow's allocations escape RLIMIT_DATA)")
+    p.add_argument("--limit-frontends", default="torch,tensorflow",
+                   help="frontends of the largest-model search (TensorFlow only under a memory cgroup)")
     args = p.parse_args(argv)
+    cgroup = cgroup_available()
+    limit_kind = "memory cgroup" if cgroup else "RLIMIT_DATA"
     os.environ["SMP_BENCH_MICROBATCHES"] = str(args.microbatches)  # the launched processes read it
     frontends = args.frontends.split(",")
     degrees = [int(x) for x in args.pp.split(",")]
@@ -361,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.launches} launches; ideal 1/pp)",
                      ["frontend", "model", "layers", "pp", "one process", "per rank"])
     limited = Table(f"The most Linear / Dense(2048) layers that train (Adam) with every process under a "
-                    f"{args.limit_mib} MiB data limit", ["frontend", "one process", *[f"pp {d}" for d in degrees if d > 1]])
+                    f"{args.limit_mib} MiB limit (each process in its own {limit_kind})",
+                    ["frontend", "one process", *[f"pp {d}" for d in degrees if d > 1]])
     print(f"marginal growth per rank of {{2L}} minus {{L}} layers, as a share of one process (median of "
           f"{args.launches} launches; ideal 1/pp)\n")
     print(f"{'frontend':<26}{'model':<7}{'layers':>8}{'pp':>4}  {'one process':>12}  per rank: peak share "
@@ -399,16 +450,19 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_limit:
         limit = args.limit_mib * MiB
         print(f"\nthe most Linear/Dense(2048) layers that train (Adam) with every process under a "
-              f"{args.limit_mib} MiB data limit (RLIMIT_DATA)\n")
+              f"{args.limit_mib} MiB limit ({limit_kind})\n")
         for frontend in [f for f in args.limit_frontends.split(",") if f in frontends]:
-            one = largest(frontend, 0, limit, 4)
+            if frontend == "tensorflow" and not cgroup:
+                print("tensorflow: left out (no writable memory cgroup here, and its allocations escape RLIMIT_DATA)")
+                continue
+            one = largest(frontend, 0, limit, 4, cgroup)
             found = {0: one}
             for pp in [d for d in degrees if d > 1]:
-                found[pp] = largest(frontend, pp, limit, one * pp // 2 or pp)
+                found[pp] = largest(frontend, pp, limit, one * pp // 2 or pp, cgroup)
             cells = "  ".join(f"pp {pp}: {n} ({n / one:.1f}x)" for pp, n in found.items() if pp)
             limited.add(frontend, one, *[f"{n} ({n / one:.1f}x)" for pp, n in found.items() if pp])
             print(f"{frontend:<11} one process: {one}  {cells}", flush=True)
-            rows.append({"kind": "largest", "frontend": frontend, "limit_mib": args.limit_mib,
+            rows.append({"kind": "largest", "frontend": frontend, "limit_mib": args.limit_mib, "limit": limit_kind,
                          "layers": {str(pp): n for pp, n in found.items()}})
     headline = []
     for row in rows:
