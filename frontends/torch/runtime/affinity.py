@@ -28,8 +28,8 @@ at every parallel region (a spinning barrier each time). The HF Llama of
 ``benchmarks/bench_sweep.py`` (h512, 2 ranks on 2 cores, smp's defaults) stepped in 1.60-1.73 s
 with 2 threads per 1-CPU rank against 1.34-1.43 s with 1 (three paired launches), and the
 automatic partition's trace, timed on the same oversubscribed rank, stretched a decoder layer
-20 times and the LM head only 4 times, so it cut elsewhere (whole layers 0-3 | 4-7 against the cut inside layer 4 that one thread
-gives). The count decides how a reduction splits (2 threads sum a LayerNorm's weight gradient in
+20 times and the LM head only 4 times, so it cut elsewhere (whole layers 0-3 | 4-7 against the
+cut inside layer 4 that one thread gives). The count decides how a reduction splits (2 threads sum a LayerNorm's weight gradient in
 another order than 1), so ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the environment (torchrun
 sets ``OMP_NUM_THREADS=1`` per rank) keeps the count as it is; rank 0 says so where it exceeds the
 block. ``SMP_CPU_AFFINITY=keep`` leaves the mask and the count as they are. `restore` (called by
@@ -53,6 +53,7 @@ __all__ = ["Binding", "bind", "bind_local_rank", "describe", "host_slot", "plan"
 log = logging.getLogger(__name__)
 
 _THREAD_COUNT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # a count the launch chose: `bind` keeps it
+
 
 @dataclass(frozen=True)
 class Binding:
