@@ -22,17 +22,17 @@ in one process per rank, gains less from the same binding (Llama 756 / 785 / 776
 The ``i``-th rank of the host then takes the ``i``-th of ``count`` equal blocks of the CPUs ordered by
 (package, core, CPU), so SMT siblings stay together and a block is whole cores where the counts
 allow; every thread the process already has moves there, and threads started later inherit it.
-torch's intra-op threads then number at most the block's CPUs where the launch did not choose
-their count: torch starts one per CPU of the whole host, and more threads than CPUs take turns
-at every parallel region (a spinning barrier each time). The HF Llama of
-``benchmarks/bench_sweep.py`` (h512, 2 ranks on 2 cores, smp's defaults) stepped in 1.60-1.73 s
-with 2 threads per 1-CPU rank against 1.34-1.43 s with 1 (three paired launches), and the
-automatic partition's trace, timed on the same oversubscribed rank, stretched a decoder layer
-20 times and the LM head only 4 times, so it cut elsewhere (whole layers 0-3 | 4-7 against the
-cut inside layer 4 that one thread gives). The count decides how a reduction splits (2 threads
-sum a LayerNorm's weight gradient in another order than 1), so ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the environment (torchrun
-sets ``OMP_NUM_THREADS=1`` per rank) keeps the count as it is; rank 0 says so where it exceeds the
-block. ``SMP_CPU_AFFINITY=keep`` leaves the mask and the count as they are. `restore` (called by
+torch's intra-op threads then number at most the block's CPUs where the launch did not choose their
+count: torch starts one per CPU of the whole host, and more threads than CPUs take turns at every
+parallel region (a spinning barrier each time). The HF Llama of ``benchmarks/bench_sweep.py`` (h512,
+2 ranks on 2 cores, smp's defaults) stepped in 1.60-1.73 s with 2 threads per 1-CPU rank against
+1.34-1.43 s with 1 (three paired launches), and the automatic partition's trace, timed on the same
+oversubscribed rank, stretched a decoder layer 20 times and the LM head only 4 times, so it cut
+elsewhere (whole layers 0-3 | 4-7 against the cut inside layer 4 that one thread gives). The count
+decides how a reduction splits (2 threads sum a LayerNorm's weight gradient in another order than
+1), so ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the environment (torchrun sets
+``OMP_NUM_THREADS=1`` per rank) keeps the count as it is; rank 0 says so where it exceeds the block.
+``SMP_CPU_AFFINITY=keep`` leaves the mask and the count as they are. `restore` (called by
 ``smp.reset()``) gives the threads their mask and torch its count back. Rank 0 logs what was bound
 where (`describe`).
 """
