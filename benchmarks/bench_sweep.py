@@ -235,17 +235,23 @@ def _compact(assignment: dict[str, int]) -> str:
         bits = path.split(".")
         if path.startswith("model.layers.") and len(bits) == 4:
             parts.setdefault(int(bits[2]), {})[bits[3]] = rank
-    whole = [i for i in sorted(parts) if all(r == 1 for r in parts[i].values())]
-    split = [f"{i}.{name}" for i in sorted(parts) if i not in whole for name, r in parts[i].items()
-             if r == 1 and "norm" not in name]
-    runs: list[list[int]] = []
-    for i in whole:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
+    layers: list[str] = []  # in layer order: a run of whole layers as "5-7", a layer cut inside as "4.mlp"
+    run: list[int] = []
+
+    def close_run() -> None:
+        if run:
+            layers.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run.clear()
+
+    for i in sorted(parts):
+        if all(r == 1 for r in parts[i].values()):
+            if run and i != run[-1] + 1:
+                close_run()
+            run.append(i)
         else:
-            runs.append([i])
-    layers = split + [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
-    layers.sort(key=lambda x: float(x.split("-")[0].split(".")[0]) + (0.0 if "." in x else 0.5))
+            close_run()
+            layers += [f"{i}.{name}" for name, r in parts[i].items() if r == 1 and "norm" not in name]
+    close_run()
     others = sorted(p for p, r in assignment.items() if r == 1 and p.count(".") <= 1 and not p.startswith("model.layers")
                     and p != "model")
     return ", ".join((["layers " + ", ".join(layers)] if layers else []) + others)
