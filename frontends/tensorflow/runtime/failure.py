@@ -64,6 +64,10 @@ __all__ = ["DEAD_AFTER_S", "EXIT_GRACE_S", "HEARTBEAT_S", "ExitGuard", "FailureC
 logger = logging.getLogger("smp")
 
 EXIT_GRACE_S = float(os.environ.get("SMP_EXIT_GRACE_S", "5"))
+# Between the last line this rank writes and MPI_Abort: mpiexec (Hydra) tears the job down on the
+# abort without always passing on what the rank wrote just before (the "ending the job" line was
+# missing from the job's output in 1 of 4-8 launches of tests/tensorflow/runtime/test_failures.py).
+_FORWARD_S = 0.25
 # The keys smp.runtime.liveness writes: a rank's beat ("<count>\t<activity>" or "exited\t") and where it runs.
 _BEAT_KEY, _WHERE_KEY = "hb/{}", "hb/{}/where"
 
@@ -184,4 +188,5 @@ class ExitGuard:
                      "published (stalled, or not in an smp wait)", running, self.grace_s)
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(_FORWARD_S)
         self.abort(1)
