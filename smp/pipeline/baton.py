@@ -25,6 +25,13 @@ from smp.errors import CommTimeoutError
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"  # WEIGHT: a split backward's weight gradients (zero bubble)
 
+# Note [one wake-up per release]: a rank's microbatch threads all wait for the baton, up to one per
+# microbatch (16 on the h512 Llama of benchmarks/bench_sweep.py), and a step hands it over at every
+# action. With one condition for all, each release woke every waiting thread to find the one whose
+# turn it is: each of them takes the lock and the GIL and goes back to sleep, on the core that the
+# next action's kernels need. In plan mode the next holder is known (the plan's next action), so a
+# release wakes only its thread; dynamic mode, light actions and the fallback still wake all.
+
 
 class Baton:
     """The per-rank run token and the policy that hands it out.
@@ -41,7 +48,11 @@ class Baton:
                  timeout_s: float, on_fallback: Callable[[str], None] | None = None,
                  expected: Sequence[tuple[str, int]] | None = None,
                  light_plan: Sequence[tuple[str, int]] = (), stall_s: float | None = None) -> None:
-        self._cv = threading.Condition()
+        # One lock, one condition per waiting microbatch: in plan mode a release wakes only the
+        # thread whose action is next (Note [one wake-up per release]); light actions wait on `_cv`.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._turns: dict[int, threading.Condition] = {}
         self.plan = list(plan) if plan is not None else None
         self.policy = policy
         self.active = max(1, active_microbatches)
@@ -92,7 +103,7 @@ class Baton:
             return
         self.plan = None
         self.fallback_reason = reason
-        self._cv.notify_all()
+        self._wake_all()
         if notify_peers and self.on_fallback is not None:
             self.on_fallback(reason)
 
@@ -145,7 +156,8 @@ class Baton:
     def acquire(self, kind: str, mb: int, *, new: bool = False) -> None:
         """Block until microbatch ``mb`` may run its next ``kind`` action on this rank."""
         deadline = time.monotonic() + self.timeout_s
-        with self._cv:
+        with self._lock:
+            turn = self._turns.setdefault(mb, threading.Condition(self._lock))
             if self.plan is not None:
                 self._check_expected(kind, mb)
             self.waiting[mb] = (kind, new)
@@ -171,7 +183,7 @@ class Baton:
                         raise CommTimeoutError(
                             f"microbatch {mb} waited {self.timeout_s:g} s to run {kind} on this rank "
                             f"(plan position {self.cursor}, holder {self.holder}, waiting {sorted(self.waiting)})")
-                    self._cv.wait(min(left, 1.0, self.stall_s or 1.0))
+                    turn.wait(min(left, 1.0, self.stall_s or 1.0))
             finally:
                 del self.waiting[mb]
             self.holder = mb
@@ -216,7 +228,7 @@ class Baton:
             self.light_cursor += 1
             if finished_mb is not None:
                 self.finished.add(finished_mb)
-            self._cv.notify_all()
+            self._wake_all()
 
     def release(self, *, finished: bool = False) -> None:
         """Give the baton back; ``finished`` marks the holder's microbatch as done (leader)."""
@@ -225,4 +237,15 @@ class Baton:
                 self.finished.add(self.holder)
             self.holder = None
             self._changed = time.monotonic()
-            self._cv.notify_all()
+            if self.plan is not None and self.cursor < len(self.plan):
+                turn = self._turns.get(self.plan[self.cursor][1])
+                if turn is not None:
+                    turn.notify_all()
+            else:
+                self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Wake every waiting thread (the caller holds the lock): dynamic mode decides among them all."""
+        self._cv.notify_all()
+        for turn in self._turns.values():
+            turn.notify_all()

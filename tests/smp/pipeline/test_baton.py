@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -55,3 +56,38 @@ def test_a_wait_that_cannot_progress_times_out() -> None:
     baton = Baton([(FORWARD, 1), (FORWARD, 0)], "interleaved", 2, timeout_s=0.2)
     with pytest.raises(CommTimeoutError, match="microbatch 0 waited 0.2 s to run F"):
         baton.acquire(FORWARD, 0, new=True)
+
+
+def test_in_plan_mode_a_release_wakes_only_the_thread_whose_action_is_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from smp.pipeline import baton as baton_module
+
+    woken = []
+
+    class Counting(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            got = super().wait(timeout)
+            woken.append(got)
+            return got
+
+    monkeypatch.setattr(baton_module, "threading", types.SimpleNamespace(Condition=Counting, RLock=threading.RLock))
+    n = 8
+    plan = [(FORWARD, mb) for mb in reversed(range(n))]
+    baton = Baton(plan, "interleaved", n, timeout_s=10)
+
+    def task(mb: int) -> None:
+        baton.acquire(FORWARD, mb, new=True)
+        if mb == n - 1:  # the first holder lets go only once every other microbatch waits
+            while len(baton.waiting) < n - 1:
+                time.sleep(0.001)
+        baton.release()
+
+    threads = [threading.Thread(target=task, args=(mb,)) for mb in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert baton.order == plan
+    # one wake-up per waiting thread; a condition shared by all woke 7 + 6 + ... + 1 = 28
+    assert len(woken) <= n, len(woken)
