@@ -157,7 +157,9 @@ class Baton:
         """Block until microbatch ``mb`` may run its next ``kind`` action on this rank."""
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            turn = self._turns.setdefault(mb, threading.Condition(self._lock))
+            turn = self._turns.get(mb)
+            if turn is None:  # once per microbatch, not per action
+                turn = self._turns[mb] = threading.Condition(self._lock)
             if self.plan is not None:
                 self._check_expected(kind, mb)
             self.waiting[mb] = (kind, new)

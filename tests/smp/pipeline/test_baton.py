@@ -89,5 +89,5 @@ def test_in_plan_mode_a_release_wakes_only_the_thread_whose_action_is_next(monke
     for t in threads:
         t.join(10)
     assert baton.order == plan
-    # one wake-up per waiting thread; a condition shared by all woke 7 + 6 + ... + 1 = 28
+    # one wake-up per waiting thread; one condition shared by all woke 14 here (up to 7 + 6 + ... + 1)
     assert len(woken) <= n, len(woken)
