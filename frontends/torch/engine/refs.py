@@ -98,6 +98,24 @@ def followed(args: Any, kwargs: Any) -> RemoteTensor | None:
     return ref if ref is not None and ref.between_actions() else None
 
 
+def on_owner(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on the rank that keeps its tensor arguments, when they are
+    references its microbatch is between actions on (`followed`); else here.
+
+    For smp's own functions over a TP group (cutting the head's outputs to each rank's samples,
+    gathering vocabulary slices, the vocabulary-parallel loss), which user autograd Functions do
+    not get (`_runs_remotely`): on the owner they use that rank's TP group, whose ranks run the
+    same microbatch's call in the same order, and the values stay there. Run here, the logits of
+    every microbatch would come back through the pipeline, and the microbatch with them (a Hugging
+    Face Llama at pp 2, tp 2: chain 0 -> 1 -> 0 and SMP v1's dynamic order instead of the plan).
+    ``func`` must be a module-level function (it is pickled by name) that uses smp's TP group.
+    """
+    ref = followed(args, kwargs)
+    if ref is None:
+        return func(*args, **kwargs)
+    return ref._engine.remote_forward(ref.owner, f"<{func.__name__}>", None, args, kwargs, func=func)
+
+
 def _reached_autograd(path: str, owner: int, grad: torch.Tensor) -> None:
     raise SMPError(
         f"a gradient reached the reference to an output of module {path!r} (kept on pp_rank {owner}) directly: an "

@@ -132,12 +132,20 @@ def scale_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], process_group
 
 def unscale_outputs(out: Any, batch: int | None, process_group: Any = None) -> Any:
     """This rank's part of every output tensor whose first dimension is the scaled batch
-    (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole."""
+    (``tp_size * batch``); other outputs (a loss computed over the combined batch) stay whole. An
+    output another pipeline rank keeps is cut there (`smp.torch.engine.refs.on_owner`)."""
     from smp.structure import map_structure
+
+    from ..engine.refs import on_owner
 
     group = resolve_group(process_group)
     t = group_size(group)
     if batch is None or t == 1:
         return out
-    return map_structure(out, lambda y: unscale_batch(y, group) if isinstance(y, torch.Tensor)
-                         and y.dim() >= 1 and y.shape[0] == t * batch else y)
+
+    def one(y: Any) -> Any:
+        if not (isinstance(y, torch.Tensor) and y.dim() >= 1 and y.shape[0] == t * batch):
+            return y
+        return on_owner(unscale_batch, y) if process_group is None else unscale_batch(y, group)
+
+    return map_structure(out, one)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from smp.torch.engine.refs import on_owner
 from smp.torch.nn.embedding import VocabParallelEmbedding
 from smp.torch.nn.group import TPShardingError, group_size, resolve_group
 from smp.torch.nn.linear import ColumnParallelLinear
@@ -73,11 +74,16 @@ def _leave_tp_rng(module: nn.Module, args: Any, output: Any) -> None:
 def _gather_logits(group: Any) -> Callable[..., Any]:
     def hook(_module: nn.Module, _args: Any, out: Any) -> Any:
         logits = out.get("logits") if isinstance(out, dict) else None
-        if isinstance(logits, torch.Tensor):
-            out["logits"] = gather_from_tp(logits, group, dim=-1)
+        if isinstance(logits, torch.Tensor):  # with smp's TP group, where the logits are kept (on_owner)
+            out["logits"] = (on_owner(_gather_vocabulary, logits) if group is resolve_group(None)
+                             else gather_from_tp(logits, group, dim=-1))
         return out
 
     return hook
+
+
+def _gather_vocabulary(logits: torch.Tensor) -> torch.Tensor:
+    return gather_from_tp(logits, resolve_group(None), dim=-1)
 
 
 def _fresh_weights(model: nn.Module) -> None:

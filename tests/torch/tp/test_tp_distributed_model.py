@@ -98,7 +98,9 @@ def _train(pp: int, rdp: int, prescaled: bool, placement: str = "cluster", auto:
     covers = [rank] if prescaled or loss_outside else sorted(smp.allgather(rank, smp.TP_GROUP))
     params = set(dict(model.module.named_parameters()))
     state = {k: v for k, v in model.state_dict(gather_to_rank0=False).items() if k in params}
-    return {"losses": losses, "shards": size, "covers": covers, "state": state}
+    recorded = next(iter(model.plans.values()), None)
+    plan = None if recorded is None else (list(recorded.chain), recorded.static)
+    return {"losses": losses, "shards": size, "covers": covers, "state": state, "plan": plan}
 
 
 def _check(results: list[dict[str, Any]], ref: Reference) -> None:
@@ -171,6 +173,7 @@ FOUR_RANKS: list[Case] = [
     ("tp2-rdp2-prescaled", _train, _tp2(1, 2, True)),
     ("tp2-rdp2-per-rank-batches", _train, _tp2(1, 2, False)),
     ("tp2-pp2-auto-partition", _train, _tp2(2, 1, False, auto=True)),
+    ("tp2-pp2-auto-loss-from-logits", _train, _tp2(2, 1, False, auto=True, loss_outside=True)),
     *[(f"tp2-pp2-{kind}", _train, _tp2(2, 1, False, kind=kind)) for kind in FAMILIES],
     *[(f"tp2-pp2-placement-{placement}", _train, _tp2(2, 1, False, placement)) for placement in PLACEMENTS],
 ]
@@ -184,6 +187,11 @@ def test_tp2_on_four_ranks_matches_one_process(reference: Reference) -> None:
         kind = kwargs.get("kind", "llama")
         with naming(name):
             _check(got[name], reference if kind == "llama" else _reference(kind))
+            if kwargs["pp"] > 1:  # the static plan (the manual cut leaves the head on rank 0: 0 -> 1 -> 0)
+                chain = [0, 1] if kwargs.get("auto") else [0, 1, 0]
+                assert all(r["plan"] == (chain, True) for r in got[name]), [r["plan"] for r in got[name]]
+    # With per-rank batches the head's outputs are cut to each rank's samples on the rank that
+    # keeps them: fetched to rank 0 to be cut there, they made the chain 0 -> 1 -> 0, off the plan.
 
 
 EIGHT_RANKS: list[Case] = [
