@@ -23,8 +23,8 @@ __all__ = ["causal_lm_loss"]
 def causal_lm_loss(group: Any) -> Callable[..., torch.Tensor]:
     """A drop-in ``ForCausalLMLoss`` for vocabulary-sharded logits over TP group ``group``.
 
-    With smp's TP group, logits another pipeline rank keeps are reduced there
-    (`smp.torch.engine.refs.on_owner`): only the loss comes back.
+    With smp's TP group, logits another pipeline rank keeps are reduced on that rank
+    (`smp.torch.engine.refs.on_owner`) and do not travel.
 
     Example:
         >>> loss_fn = causal_lm_loss(None)
