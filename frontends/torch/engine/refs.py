@@ -41,6 +41,8 @@ _LOCAL_ONLY = {_T.__iter__, _T.__reduce_ex__, _T.__deepcopy__, _T.__setstate__, 
                _T.__index__, _T.__repr__, _T.__format__, _T.backward, _T.register_hook, _T.retain_grad}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+_ARITHMETIC_INPLACE = {"add_", "sub_", "mul_", "div_", "true_divide_", "floor_divide_", "remainder_", "pow_",
+                       "bitwise_and_", "bitwise_or_", "bitwise_xor_", *(_INPLACE_DUNDERS - {"__setitem__"})}
 _REMOTE_OK: dict[Any, bool] = {}
 _PLAIN = (int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device, torch.memory_format,
           torch.layout)
@@ -65,6 +67,22 @@ def _runs_remotely(func: Any) -> bool:
                 ok = False
         _REMOTE_OK[func] = ok
     return ok
+
+
+def _updates_reference(func: Any, args: Any) -> bool:
+    """Whether ``func`` is an in-place arithmetic update of a reference (``x += y`` reaches here as
+    ``add_``), which then runs on the rank that keeps the value (with every other reference there,
+    `followed`); not when it would make the value require a gradient it did not.
+
+    Note [in-place on a reference]: that rank changes its value in place, as one process would:
+    every reference to it reads the new value, and autograd records the change where the value
+    lives. Fetched instead, the value and its microbatch came back to this rank: Falcon's
+    ``mlp_output += attention_output`` on a layer cut between its norms and its attention and MLP
+    made the chain 0 -> 1 -> 0 -> 1 within that layer, and SMP v1's dynamic order for the step."""
+    if not (args and isinstance(args[0], RemoteTensor) and getattr(func, "__name__", "") in _ARITHMETIC_INPLACE
+            and getattr(torch._C.TensorBase, func.__name__, None) is func):
+        return False
+    return args[0].requires_grad or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
 
 
 def _owner_of(args: Any, kwargs: Any) -> RemoteTensor | None:
@@ -196,7 +214,7 @@ class RemoteTensor(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if "out" not in kwargs and _runs_remotely(func):
+        if "out" not in kwargs and (_runs_remotely(func) or _updates_reference(func, args)):
             ref = followed(args, kwargs)
             if ref is not None:
                 return ref._engine.remote_forward(ref.owner, f"<{getattr(func, '__name__', func)}>", None, args,

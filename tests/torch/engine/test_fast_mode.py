@@ -12,9 +12,9 @@ that such a reference must survive:
   runs again, so microbatches take different chains);
 - ``gradless``: remote calls that get no backward (under ``torch.no_grad()`` in a training step,
   an output detached, an output dropped);
-- ``modify``: out-of-place (``h * 2 + 1``) and in-place (``add_``, ``h[:, 0] = 0``) changes on rank 0
-  to a value produced on rank 1, each passed on to another rank-1 child; a rank-0 child takes the
-  last remote output as it is;
+- ``modify``: out-of-place (``h * 2 + 1``) and in-place (``a += b`` of two rank-1 values, ``add_``,
+  ``h[:, 0] = 0``) changes on rank 0 to values produced on rank 1, each passed on to another rank-1
+  child; a rank-0 child takes the last remote output as it is;
 - ``reuse``: one output used twice (a residual on rank 0 around a remote block, and the same remote
   block called twice on it), and once more detached;
 - ``structures``: children returning a tuple, a dict and a Hugging Face ``BaseModelOutput`` whose
@@ -140,8 +140,12 @@ class Modify(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.b1(self.inp(x), self.mask)
         h = h * 2 + 1
-        h = self.b2(h, self.mask)
-        # In place on rank 0, on a value rank 1 produced (a Block ends in an add: nothing saved it).
+        a = self.b2(h, self.mask)
+        # An augmented assignment of two rank-1 values (a Block ends in an add: nothing saved it),
+        # then read on rank 0 (Note [in-place on a reference]).
+        a += self.b1(h, self.mask)
+        h = a
+        # In place: add_ runs on rank 1, where the value is; the assignment fetches it to rank 0.
         h.add_(1)
         h[:, 0] = 0
         h = self.post(self.b3(h, self.mask), self.mask)  # a rank-0 child takes the remote output as is
