@@ -41,8 +41,9 @@ _LOCAL_ONLY = {_T.__iter__, _T.__reduce_ex__, _T.__deepcopy__, _T.__setstate__, 
                _T.__index__, _T.__repr__, _T.__format__, _T.backward, _T.register_hook, _T.retain_grad}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-_ARITHMETIC_INPLACE = {"add_", "sub_", "mul_", "div_", "true_divide_", "floor_divide_", "remainder_", "pow_",
-                       "bitwise_and_", "bitwise_or_", "bitwise_xor_", *(_INPLACE_DUNDERS - {"__setitem__"})}
+# What an augmented assignment (`x += y`, `x &= y`, ...) reaches __torch_function__ as.
+_AUGMENTED = {"add_", "sub_", "mul_", "div_", "floor_divide_", "remainder_", "pow_", "__iand__", "__ior__", "__ixor__",
+              "__ilshift__", "__irshift__"}
 _REMOTE_OK: dict[Any, bool] = {}
 _PLAIN = (int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device, torch.memory_format,
           torch.layout)
@@ -70,8 +71,8 @@ def _runs_remotely(func: Any) -> bool:
 
 
 def _updates_reference(func: Any, args: Any) -> bool:
-    """Whether ``func`` is an in-place arithmetic update of a reference (``x += y`` reaches here as
-    ``add_``), which then runs on the rank that keeps the value (with every other reference there,
+    """Whether ``func`` is an augmented assignment to a reference (``x += y`` reaches here as
+    ``add_``; ``x.add_(y)`` alike), which then runs on the rank that keeps the value (with every other reference there,
     `followed`); not when it would make the value require a gradient it did not.
 
     Note [in-place on a reference]: that rank changes its value in place, as one process would:
@@ -79,7 +80,7 @@ def _updates_reference(func: Any, args: Any) -> bool:
     lives. Fetched instead, the value and its microbatch came back to this rank: Falcon's
     ``mlp_output += attention_output`` on a layer cut between its norms and its attention and MLP
     made the chain 0 -> 1 -> 0 -> 1 within that layer, and SMP v1's dynamic order for the step."""
-    if not (args and isinstance(args[0], RemoteTensor) and getattr(func, "__name__", "") in _ARITHMETIC_INPLACE
+    if not (args and isinstance(args[0], RemoteTensor) and getattr(func, "__name__", "") in _AUGMENTED
             and getattr(torch._C.TensorBase, func.__name__, None) is func):
         return False
     return args[0].requires_grad or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
@@ -129,9 +130,13 @@ def on_owner(func: Any, *args: Any, **kwargs: Any) -> Any:
     ``func`` must be a module-level function (it is pickled by name) that uses smp's TP group.
     """
     ref = followed(args, kwargs)
-    if ref is None:
-        return func(*args, **kwargs)
-    return ref._engine.remote_forward(ref.owner, f"<{func.__name__}>", None, args, kwargs, func=func)
+    return func(*args, **kwargs) if ref is None else _run_at(ref, func, args, kwargs)
+
+
+def _run_at(ref: RemoteTensor, func: Any, args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` run by ``ref``'s owner, in its microbatch's task there."""
+    name = f"<{getattr(func, '__name__', func)}>"
+    return ref._engine.remote_forward(ref.owner, name, None, args, kwargs, func=func)
 
 
 def _reached_autograd(path: str, owner: int, grad: torch.Tensor) -> None:
@@ -217,8 +222,7 @@ class RemoteTensor(torch.Tensor):
         if "out" not in kwargs and (_runs_remotely(func) or _updates_reference(func, args)):
             ref = followed(args, kwargs)
             if ref is not None:
-                return ref._engine.remote_forward(ref.owner, f"<{getattr(func, '__name__', func)}>", None, args,
-                                                  kwargs, func=func)
+                return _run_at(ref, func, args, kwargs)
         args, kwargs = resolve((args, kwargs))
         return func(*args, **kwargs)
 
