@@ -26,6 +26,7 @@ from smp.errors import NotInitializedError
 from smp.runtime.launch import Launch, detect
 from smp.topology import GroupKind, RankMap
 
+from ..engine.workers import close_all
 from . import affinity, failure
 from .heap import give_back_large_blocks, keep_freed_memory, share_heap
 from .process_state import KEPT
@@ -263,6 +264,7 @@ def reset() -> None:
     `TorchState`); what a reset keeps on purpose is `process_state.KEPT`.
     """
     rt = smp_state.current().runtime
+    close_all()  # the microbatch threads of every model's engine: a model does not outlive a reset
     failure.set_channel(None)  # before the groups go: the heartbeat's exit mark still reaches the store
     if isinstance(rt, TorchRuntime) and dist.is_initialized():
         if rt.owns_default_group:

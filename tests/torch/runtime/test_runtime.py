@@ -223,24 +223,33 @@ def _train_mlp(config: dict) -> list[float]:
     return zoo.train_losses(model, opt, zoo.train_step("mlp"), zoo.batches("mlp", 2))
 
 
-def _reinit_after_reset() -> list[list[float]]:
+def _microbatch_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("smp-mb"))
+
+
+def _reinit_after_reset() -> tuple[list[list[float]], list[list[str]]]:
     import smp.torch as smp
 
-    runs = []
+    runs, left = [], []
     for config in ({"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 1, "ddp": True},
                    {"pipeline_parallel_degree": 2}):
         runs.append(_train_mlp(config))
         smp.reset()
+        left.append(_microbatch_threads())
         if os.environ["RANK"] == "0":
             time.sleep(2.0)  # rank 1 reaches the next init (and its heartbeat) first
-    return runs
+    return runs, left
 
 
 def test_init_after_reset_runs_again_in_the_same_processes() -> None:
     """Note [re-init]: a second init used to find the first one's store keys (same group names) and
-    hang, and a peer read the reset's exit mark as "rank 0 left the job"."""
+    hang, and a peer read the reset's exit mark as "rank 0 left the job". And a reset ends the
+    model's microbatch threads: each model used to leave one per microbatch behind."""
     ref, _ = zoo.reference("mlp", steps=2)
-    for runs in run_ranks(_reinit_after_reset, 2, timeout=120):
+    for runs, left in run_ranks(_reinit_after_reset, 2, timeout=120):
+        assert left == [[], [], []]
         assert runs[0] == runs[2]  # the same run again, in new process groups
         for losses in runs:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
