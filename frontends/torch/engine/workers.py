@@ -49,8 +49,9 @@ class Workers:
             worker = self._by_mb[mb] = _Worker(f"smp-mb{mb}")
         worker.jobs.put(job)
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop every thread once it finishes its job; wait up to ``timeout_s`` in all for them."""
+    def close(self, timeout_s: float = 0.5) -> None:
+        """Stop every thread once it finishes its job; wait up to ``timeout_s`` in all for them (idle
+        ones end at once; one still in a task after a failure is not waited for longer)."""
         workers, self._by_mb = list(self._by_mb.values()), {}
         for w in workers:
             w.jobs.put(None)
