@@ -57,7 +57,6 @@ from .owner import Owner
 from .refs import resolve
 from .requester import Requester
 from .task import Task
-from .workers import Workers
 from .wire import (
     BWD_REQ,
     DONE,
@@ -77,6 +76,7 @@ from .wire import (
     pack,
     unpack,
 )
+from .workers import Workers
 
 __all__ = ["Engine", "Event", "current_task"]
 
