@@ -137,7 +137,7 @@ class Engine(Requester, Owner):
         self.events: list[Event] = []
         self._open: dict[int, Event] = {}
         self._workers = Workers()
-        # smp's own work on this rank in the last step (wire.Costs): messages, calls made, requests served.
+        # smp's own work on this rank in the last step (wire.Costs): messages and serving other ranks.
         self.costs = transport.costs
         weakref.finalize(self, self._workers.close, 0.0)  # collected without smp.reset
         # pp_rank -> microbatches the leader finished that its next message there reports (`_end_microbatch`).

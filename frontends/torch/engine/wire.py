@@ -139,11 +139,11 @@ class Costs:
             self.calls += calls
             self.call_s += call_s
 
-    def as_dict(self) -> dict[str, float]:
-        """The counts, and the times in milliseconds."""
-        return {"sent": self.sent, "send_ms": self.send_s * 1e3, "received": self.received,
-                "receive_ms": self.receive_s * 1e3, "served": self.served, "serve_ms": self.serve_s * 1e3,
-                "calls": self.calls, "call_ms": self.call_s * 1e3}
+    def as_dict(self, per: int = 1) -> dict[str, float]:
+        """The figures with times in milliseconds, each divided by ``per`` (steps)."""
+        return {"sent": self.sent / per, "send_ms": self.send_s * 1e3 / per, "received": self.received / per,
+                "receive_ms": self.receive_s * 1e3 / per, "served": self.served / per,
+                "serve_ms": self.serve_s * 1e3 / per, "calls": self.calls / per, "call_ms": self.call_s * 1e3 / per}
 
 
 @dataclass

@@ -207,12 +207,9 @@ def _costed() -> list[dict[str, float]]:
 def test_engine_counts_its_own_work_per_step() -> None:
     """``model.engine.costs``: the messages, calls and served requests of the last step on each rank."""
     res = run_ranks(_costed, 2, timeout=120)
-    for step in (1, 2):
+    for step in (1, 2):  # renewed each step: the planned steps count the same
         zero, one = res[0][step], res[1][step]
-        # Renewed each step: the planned steps make and serve the same calls. (How many messages carry
-        # them depends on timing: calls queued longer than 2 ms leave in a message of their own.)
-        for rank in (0, 1):
-            assert [res[rank][step][k] for k in ("calls", "served")] == [res[rank][1][k] for k in ("calls", "served")]
+        assert zero == {**res[0][1], **{k: zero[k] for k in zero if k.endswith("_ms")}}, (res[0][1], zero)
         assert zero["sent"] == one["received"] and one["sent"] == zero["received"], (zero, one)
         # The leader calls rank 1's layers and the ops on their outputs; rank 1 serves them and the
         # backward of each microbatch, and calls nothing back.
