@@ -384,7 +384,16 @@ class Engine(Requester, Owner):
     def _served(self, task: Task, requests: int, seconds: float, compute: float) -> None:
         """Count ``requests`` handled in ``seconds`` of CPU, ``compute`` of them the modules' own."""
         task.handled_s += seconds  # a call of this task that served requests while it waited counts less
-        self.costs.count(served=requests, serve_s=seconds - compute)
+        with self._ended_lock:  # light actions serve beside the baton holder
+            self.costs.served += requests
+            self.costs.serve_s += seconds - compute
+
+    def _called(self, task: Task, start: float, handled: float) -> None:
+        """Count one call made to another rank since ``start`` (thread CPU), less what it served meanwhile."""
+        seconds = time.thread_time() - start - (task.handled_s - handled)
+        with self._ended_lock:
+            self.costs.calls += 1
+            self.costs.call_s += seconds
 
     # --- step ----------------------------------------------------------------------------------
 

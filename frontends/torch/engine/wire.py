@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -129,15 +129,6 @@ class Costs:
     serve_s: float = 0.0  # handling them, the replies sent included, less the modules' own compute
     calls: int = 0  # calls this rank made to modules (or torch functions on values) on other ranks
     call_s: float = 0.0  # making them: packing, the requests sent, unpacking replies (not the waits)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def count(self, served: int = 0, serve_s: float = 0.0, calls: int = 0, call_s: float = 0.0) -> None:
-        """Add requests served and calls made (from any microbatch thread: light actions run beside the holder)."""
-        with self.lock:
-            self.served += served
-            self.serve_s += serve_s
-            self.calls += calls
-            self.call_s += call_s
 
     def as_dict(self, per: int = 1) -> dict[str, float]:
         """The figures with times in milliseconds, each divided by ``per`` (steps)."""
