@@ -34,6 +34,7 @@ Worked example, 2 ranks, costs in brackets::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import NoReturn
@@ -81,14 +82,44 @@ class _Solver:
         return self.cost.cost(t.param_bytes, t.activation_bytes, t.compute)
 
     def solve(self, items: Sequence[WorkItem], *, capped: bool = True) -> GluedSplit | None:
+        """The best split of ``items``; every part owns parameters where the model has enough.
+
+        A part of glue code alone (the root's and a model body's own work, parameter-free modules)
+        holds none of the model, so it divides no memory, and it arises only when a measured time
+        is off: a container's own time caught in a hiccup of the machine outweighed all the
+        layers in one trace of a 4-layer Llama and left pipeline rank 0 nothing but the root.
+        """
         costs = [self.item_cost(it) for it in items]
         keys: list[frozenset[Hashable]] = [frozenset(it.groups) for it in items]
         make_fits = self._fits_factory(items) if capped and self.budget.cap_bytes is not None else None
         if self.part_ranks[:1] == self.part_ranks[-1:] and len(self.part_ranks) > 1:
             make_fits = self._way_back(items, make_fits)
-        return split_glued(costs, keys, self.parts, make_fits=make_fits, weights=self.weights,
-                           ranks=self.part_ranks if self.weights is not None else None,
-                           microbatches=self.microbatches)
+        solve = functools.partial(split_glued, costs, keys, self.parts, weights=self.weights,
+                                  ranks=self.part_ranks if self.weights is not None else None,
+                                  microbatches=self.microbatches)
+        if sum(1 for it in items if it.totals.param_bytes > 0) >= self.parts:
+            split = solve(make_fits=self._owning(items, make_fits))
+            if split is not None:
+                return split
+        return solve(make_fits=make_fits)  # too few parameterised pieces (or glued together)
+
+    @staticmethod
+    def _owning(items: Sequence[WorkItem], inner: Callable[[Reduction], SegmentCheck | None] | None
+                ) -> Callable[[Reduction], SegmentCheck]:
+        """``inner``'s check, and every part holding at least one parameter byte."""
+
+        def make(reduction: Reduction) -> SegmentCheck:
+            check = inner(reduction) if inner is not None else None
+            owned = [0]  # per position of the reduced sequence: how many carry parameters, cumulative
+            for carried in reduction.carried:
+                owned.append(owned[-1] + any(items[i].totals.param_bytes > 0 for i in carried))
+
+            def fits(part: int, start: int, stop: int) -> bool:
+                return owned[stop] > owned[start] and (check is None or check(part, start, stop))
+
+            return fits
+
+        return make
 
     def _way_back(self, items: Sequence[WorkItem], inner: Callable[[Reduction], SegmentCheck | None] | None
                   ) -> Callable[[Reduction], SegmentCheck]:

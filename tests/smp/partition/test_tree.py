@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -184,6 +185,21 @@ def test_in_flight_shifts_activation_heavy_work_off_rank_0() -> None:
     assert [t.activation_bytes for t in even.rank_totals()] == [40, 40]
     capped = partition_tree(tree, 2, memory_weight=0.0, memory_cap_bytes=132, in_flight=[4, 1])
     assert capped.memory_bytes()[0] <= 132 and capped.rank_totals()[0].activation_bytes == 30
+
+
+def test_every_rank_owns_parameters_when_glue_code_outweighs_the_layers() -> None:
+    # A model body whose own work (measured in a hiccup of the machine) outweighs all its layers:
+    # the cheapest bottleneck is that glue alone on rank 0, which would hold none of the model.
+    nodes = [dataclasses.replace(n, compute=100.0) if n.path == "model" else n for n in _lm(4, tied=False)]
+    for ranks, virtual in ((2, 1), (3, 1), (2, 2)):
+        part = partition_tree(ModuleTree(nodes), ranks, memory_weight=0.2, virtual_stages=virtual)
+        assert all(t.param_bytes > 0 for t in part.rank_totals()), (ranks, virtual, part.assignment)
+        assert all(s.totals.param_bytes > 0 for s in part.segments()), "and so does every chunk"
+    # With fewer parameterised pieces than ranks, a rank gets glue code only, rather than an error.
+    tree = ModuleTree([ModuleNode("", ("a", "b"), compute=5.0), ModuleNode("a", param_bytes=4, compute=1.0),
+                       ModuleNode("b", compute=1.0)])
+    part = partition_tree(tree, 2, memory_weight=0.0)
+    assert sorted(t.param_bytes for t in part.rank_totals()) == [0, 4]
 
 
 def test_too_few_pieces_and_bad_arguments() -> None:
