@@ -71,6 +71,7 @@ from .wire import (
     REPLIES,
     STOP,
     TASK_END,
+    Costs,
     Message,
     Transport,
     pack,
@@ -136,6 +137,8 @@ class Engine(Requester, Owner):
         self.events: list[Event] = []
         self._open: dict[int, Event] = {}
         self._workers = Workers()
+        # smp's own work on this rank in the last step (wire.Costs): messages, calls made, requests served.
+        self.costs = transport.costs
         weakref.finalize(self, self._workers.close, 0.0)  # collected without smp.reset
         # pp_rank -> microbatches the leader finished that its next message there reports (`_end_microbatch`).
         self._ended: dict[int, list[int]] = {}
@@ -343,22 +346,27 @@ class Engine(Requester, Owner):
                 ahead = kind == FWD_BATCH or (kind == FWD_REQ and msg.body.get("ahead"))
                 if ahead:
                     task.handling[msg.src_pp] = task.handling.get(msg.src_pp, 0) + 1
+                start, compute, served = time.thread_time(), 0.0, 1
                 try:
                     if kind == FWD_REQ:
-                        self._handle_forward(task, msg)
+                        compute = self._handle_forward(task, msg)
                     elif kind == BWD_REQ:
-                        self._handle_backward(task, msg)
+                        compute = self._handle_backward(task, msg)
                     else:
                         at = 0
                         for body, count in msg.body:
-                            self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
-                                                               msg.tensors[at:at + count], msg.src_pp))
+                            compute += self._handle_forward(task, Message(FWD_REQ, msg.src, msg.microbatch, body,
+                                                                          msg.tensors[at:at + count], msg.src_pp))
                             at += count
+                        served = len(msg.body)
                 finally:
                     if ahead:
                         task.handling[msg.src_pp] -= 1
+                self._served(task, served, time.thread_time() - start, compute)
             elif kind == FETCH:
+                start = time.thread_time()
                 self._handle_fetch(task, msg)
+                self._served(task, 1, time.thread_time() - start, 0.0)
             elif kind == END_RUN:
                 if msg.body["close"] and task.holding:
                     self._release(task)
@@ -372,6 +380,11 @@ class Engine(Requester, Owner):
                 raise RemoteRankError(msg.body["rank"], msg.body["text"], msg.body.get("who", ""))
             else:
                 raise RuntimeError(f"unexpected message kind {kind} for microbatch {task.microbatch}")
+
+    def _served(self, task: Task, requests: int, seconds: float, compute: float) -> None:
+        """Count ``requests`` handled in ``seconds`` of CPU, ``compute`` of them the modules' own."""
+        task.handled_s += seconds  # a call of this task that served requests while it waited counts less
+        self.costs.count(served=requests, serve_s=seconds - compute)
 
     # --- step ----------------------------------------------------------------------------------
 
@@ -429,6 +442,7 @@ class Engine(Requester, Owner):
         self.baton = baton
         self.tasks = {}
         self._ended = {}
+        self.costs = self.transport.costs = Costs()
         self.events = []
         self._open = {}
         leader = bodies is not None

@@ -9,6 +9,7 @@ sent. `Owner` is mixed into `Engine` (engine.py).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -24,7 +25,9 @@ from .wire import BWD_REP, FETCH_REP, FWD_REP, Cached, Message, Out, Ref, Slot, 
 class Owner:
     """The called side of `Engine` (see the module docstring)."""
 
-    def _handle_forward(self, task: Task, msg: Message) -> None:
+    def _handle_forward(self, task: Task, msg: Message) -> float:
+        """Run a module call (or a torch function on values kept here) for ``msg``; returns the CPU
+        seconds the call itself took (`Engine.costs` counts the rest as serving)."""
         body = msg.body
         src = msg.src_pp
         task.trail = list(body["trail"])  # body["trail"] stays what the caller sent
@@ -56,8 +59,10 @@ class Owner:
         args, kwargs = map_structure(body["skeleton"], leaf)
         with torch.set_grad_enabled(body["grad"]):
             func = body["func"]
+            start = time.thread_time()
             out = func(*args, **kwargs) if func is not None else self.run_local(body["path"], body["span"], args,
                                                                                  kwargs)
+            compute = time.thread_time() - start
         changed = [(marker, t) for marker, t, version in passed if t._version != version]
         if task.run_with == src:
             task.run_with = None  # the caller holds its own baton again: it continues from our reply
@@ -107,6 +112,7 @@ class Owner:
                                                        "trail": task.trail, "modified": modified}, data)
         if task.holding and not keep:
             self._release(task)
+        return compute
 
     def _handle_fetch(self, task: Task, msg: Message) -> None:
         key = msg.body["key"]
@@ -115,7 +121,8 @@ class Owner:
             task.exported.add(key)
         self._send(msg.src_pp, FETCH_REP, task.microbatch, {"id": msg.body["id"]}, [value.detach()])
 
-    def _handle_backward(self, task: Task, msg: Message) -> None:
+    def _handle_backward(self, task: Task, msg: Message) -> float:
+        """Backpropagate a kept value's gradient; returns the CPU seconds of the backward itself."""
         body = msg.body
         task.trail = list(body["trail"])  # body["trail"] stays what the caller sent
         if body["close"] and task.holding:  # the caller's open run ends with this request
@@ -131,10 +138,12 @@ class Owner:
         # waits for, and the weights' part runs when the plan says (split.py).
         assert self.baton is not None
         split = not held and not task.exported and self.baton.next_planned(task.microbatch) == WEIGHT
+        start = time.thread_time()
         later = self._backward_input(task, key, msg.tensors[0]) if split else None
         if later is None:
             # Another fetched value may share this graph; keep it until its gradient came (freed with the microbatch).
             torch.autograd.backward([task.values[key]], [msg.tensors[0]], retain_graph=bool(task.exported))
+        compute = time.thread_time() - start
         grads = []
         for leaf_id in body["deps"]:
             leaf = task.leaves.get(tuple(leaf_id))
@@ -151,8 +160,11 @@ class Owner:
         if split:
             self._acquire(task, WEIGHT)
             if later is not None:
+                start = time.thread_time()
                 later.run()
+                compute += time.thread_time() - start
             self._release(task)
+        return compute
 
     def _backward_input(self, task: Task, key: Any, grad: torch.Tensor) -> WeightGrads | None:
         """The input half of a split backward of ``task.values[key]``: the received tensors' gradients

@@ -53,6 +53,7 @@ class Task:
     # first was queued: they leave together in one message (`Requester._flush`).
     outbox: list[tuple[int, dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)
     outbox_since: float = 0.0
+    handled_s: float = 0.0  # CPU seconds this task spent handling requests (Engine.costs)
     # Caller side, per destination pp_rank: the gradient-carrying tensors sent (LeafId, tensor), in
     # order, and every tensor sent (id -> (weakref, version, needs grad, LeafId)) so a repeat travels as `Cached`.
     sent: dict[int, list[tuple[LeafId, torch.Tensor]]] = field(default_factory=dict)

@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -117,6 +117,36 @@ def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 @dataclass
+class Costs:
+    """smp's own work on this rank during one step, by the CPU time of the threads that did it
+    (``Engine.costs``): the price of the engine beside the model's compute."""
+
+    sent: int = 0  # messages posted to other pipeline ranks
+    send_s: float = 0.0  # packing and posting them
+    received: int = 0
+    receive_s: float = 0.0  # receiving and unpacking them (the receiver thread)
+    served: int = 0  # requests of other ranks handled here: module calls, backwards, fetches
+    serve_s: float = 0.0  # handling them, the replies sent included, less the modules' own compute
+    calls: int = 0  # calls this rank made to modules (or torch functions on values) on other ranks
+    call_s: float = 0.0  # making them: packing, the requests sent, unpacking replies (not the waits)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, served: int = 0, serve_s: float = 0.0, calls: int = 0, call_s: float = 0.0) -> None:
+        """Add requests served and calls made (from any microbatch thread: light actions run beside the holder)."""
+        with self.lock:
+            self.served += served
+            self.serve_s += serve_s
+            self.calls += calls
+            self.call_s += call_s
+
+    def as_dict(self) -> dict[str, float]:
+        """The counts, and the times in milliseconds."""
+        return {"sent": self.sent, "send_ms": self.send_s * 1e3, "received": self.received,
+                "receive_ms": self.receive_s * 1e3, "served": self.served, "serve_ms": self.serve_s * 1e3,
+                "calls": self.calls, "call_ms": self.call_s * 1e3}
+
+
+@dataclass
 class Message:
     kind: int
     src: int
@@ -145,6 +175,7 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._frame: torch.Tensor | None = None  # the receiver's buffer, reused: messages are copied out of it
         self._abandoned = False  # set by `abandon`: the receiver drops what still arrives
+        self.costs = Costs()  # the engine's, renewed each step
 
     def send(self, dst: int, kind: int, microbatch: int, body: Any, tensors: Sequence[torch.Tensor] = (),
              ended: Sequence[int] = ()) -> None:
@@ -160,6 +191,7 @@ class Transport:
         changed in place afterwards (the engine sends detached outputs and gradients, which nobody
         touches).
         """
+        start = time.thread_time()
         specs = [(tuple(t.shape), _DTYPE_CODE[t.dtype]) for t in tensors]
         raw = pickle.dumps((body, specs, tuple(ended)), protocol=pickle.HIGHEST_PROTOCOL)
         data = [t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.detach().new_empty(0, dtype=torch.uint8)
@@ -197,6 +229,8 @@ class Transport:
         with self._lock:
             for t in parts:
                 self._pending.append((dist.isend(t, dst, group=self.group, tag=TAG), t))
+            self.costs.sent += 1
+            self.costs.send_s += time.thread_time() - start
 
     def flush(self, timeout: float) -> None:
         """Wait until every posted message left."""
@@ -270,7 +304,11 @@ class Transport:
             stopped = 0
             try:
                 while stopped < len(self.peers):
+                    start = time.thread_time()
                     msg = self._receive_one()
+                    costs = self.costs
+                    costs.received += 1
+                    costs.receive_s += time.thread_time() - start
                     if msg.kind == stop_kind:
                         stopped += 1
                         continue

@@ -168,3 +168,55 @@ def test_activation_checkpointing_recomputes_and_matches() -> None:
     # Rank 1 owns the checkpointed layer: 2 calls per microbatch, plus one recomputation each in backward.
     assert plain["calls"]["after_first"] == 8
     assert ckpt["calls"]["after_first"] == 16
+
+
+def _costed() -> list[dict[str, float]]:
+    import smp.torch as smp
+
+    smp.init(CFG)
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with smp.partition(0):
+                self.first = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+            with smp.partition(1):
+                self.second = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in [*self.first, *self.second]:
+                x = torch.tanh(layer(x))
+            return x
+
+    model = smp.DistributedModel(Net())
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    out = []
+    for i in range(3):
+        step(model, _data(i)[0])
+        out.append(model.engine.costs.as_dict())
+    return out
+
+
+def test_engine_counts_its_own_work_per_step() -> None:
+    """``model.engine.costs``: the messages, calls and served requests of the last step on each rank."""
+    res = run_ranks(_costed, 2, timeout=120)
+    for step in (1, 2):
+        zero, one = res[0][step], res[1][step]
+        # Renewed each step: the planned steps make and serve the same calls. (How many messages carry
+        # them depends on timing: calls queued longer than 2 ms leave in a message of their own.)
+        for rank in (0, 1):
+            assert [res[rank][step][k] for k in ("calls", "served")] == [res[rank][1][k] for k in ("calls", "served")]
+        assert zero["sent"] == one["received"] and one["sent"] == zero["received"], (zero, one)
+        # The leader calls rank 1's layers and the ops on their outputs; rank 1 serves them and the
+        # backward of each microbatch, and calls nothing back.
+        assert zero["calls"] >= 4 and one["calls"] == 0 and zero["served"] == 0, (zero, one)
+        assert one["served"] >= 2 * 4, one
+        assert all(v >= 0 for v in (*zero.values(), *one.values()))
+        assert zero["call_ms"] > 0 and one["serve_ms"] > 0 and zero["send_ms"] > 0 and one["receive_ms"] > 0
