@@ -214,6 +214,10 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor], pro
     span = max(e.end for e in done) - min(e.start for e in done) if done else 0.0
     breakdown |= {"idle": span - sum(breakdown.values()), "optimizer": optimizer[-1],
                   "outside": times[-1] - span - optimizer[-1], "step": times[-1]}
+    # smp's own CPU in that step (the engine's counts, wire.Costs): messages, calls made, requests served.
+    costs = model.engine.costs
+    breakdown |= {"messages": costs.send_s + costs.receive_s, "calls": costs.call_s, "serving": costs.serve_s,
+                  "n_messages": costs.sent + costs.received, "n_calls": costs.calls, "n_served": costs.served}
 
     plan = next(iter(model.plans.values())) if model.plans else None
     decided = (plan.schedule if plan is not None else "") or current().cfg.pipeline
@@ -339,6 +343,11 @@ def _contention(shape: str, steps: int, warmup: int) -> dict[str, list[float]]:
     return out
 
 
+def _per_item(count: int, seconds: float) -> str:
+    """``count`` items costing ``seconds`` in all: '640 x 62 us = 40 ms'."""
+    return f"{count} x {seconds / count * 1e6:.0f} us = {seconds * 1e3:.0f} ms" if count else "0"
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -406,10 +415,14 @@ def main() -> None:
                   "its forward / backward / weight actions, the idle time between its first and last action, "
                   "and the rest of the step besides the optimizer; the last column is the busier rank's busy time "
                   "and optimizer over torch 1F1B's median step: no schedule steps faster than that rank computes, "
-                  "at the speed its kernels run in the pipeline",
+                  "at the speed its kernels run in the pipeline; the last two, smp's own CPU time on each rank in that "
+                  "step, within its actions: messages sent and received, calls made to modules on the other rank, "
+                  "requests of the other rank served (less the modules' own compute), each as count x microseconds "
+                  "per item = ms",
                   ["shape", "stage compute alone (F + B, rank 0 / rank 1)", "smp rank 0: F / B / W, idle, rest",
                    "smp rank 1: F / B / W, idle, rest", "optimizer (rank 0 / 1)", "step",
-                   "busier rank's compute / torch 1F1B"])
+                   "busier rank's compute / torch 1F1B", "smp's own work, rank 0: messages; calls; served",
+                   "smp's own work, rank 1: messages; calls; served"])
     if args.kernels:
         for shape in shapes:
             kernels(shape, args.rounds, args.steps, args.warmup)
@@ -440,12 +453,15 @@ def main() -> None:
                   *[f"{p['F'] * 1e3:.0f} / {p['B'] * 1e3:.0f} / {p['W'] * 1e3:.0f}, {p['idle'] * 1e3:.0f}, "
                     f"{p['outside'] * 1e3:.0f}" for p in parts],
                   " / ".join(f"{p['optimizer'] * 1e3:.0f}" for p in parts), f"{max(p['step'] for p in parts) * 1e3:.0f}",
-                  f"{max(p['F'] + p['B'] + p['W'] + p['optimizer'] for p in parts) / statistics.median(got['torch 1F1B']):.2f}")
+                  f"{max(p['F'] + p['B'] + p['W'] + p['optimizer'] for p in parts) / statistics.median(got['torch 1F1B']):.2f}",
+                  *["; ".join(_per_item(p[f"n_{n}"], p[k]) for n, k in (("messages", "messages"), ("calls", "calls"),
+                                                                        ("served", "serving"))) for p in parts])
         rows.append({"shape": shape, "dims": SHAPES[shape], "single_ms": one * 1e3, "per_microbatch_stage_ms":
                      per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
                      **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"],
                      "stage_compute_ms": [[x * 1e3 for x in fb] for fb in alone],
-                     "smp_defaults_breakdown_ms": [{k: v * 1e3 for k, v in p.items()} for p in parts]})
+                     "smp_defaults_breakdown_ms": [{k: v if k.startswith("n_") else v * 1e3 for k, v in p.items()}
+                                                   for p in parts]})
     headline = []
     for row in ("smp defaults", "smp best"):
         per_shape = [f"{statistics.median(r[f'{row} / 1F1B']):.2f} ({_spread(r[f'{row} / 1F1B'])})" for r in rows]
