@@ -85,9 +85,9 @@ class _Solver:
         """The best split of ``items``; every part owns parameters where the model has enough.
 
         A part of glue code alone (the root's and a model body's own work, parameter-free modules)
-        holds none of the model, so it divides no memory, and it arises only when a measured time
-        is off: a container's own time caught in a hiccup of the machine outweighed all the
-        layers in one trace of a 4-layer Llama and left pipeline rank 0 nothing but the root.
+        holds none of the model, so it divides no memory. It came from a measured time that was
+        off: a container's own time caught in a hiccup of the machine outweighed all the layers
+        in one trace of a 4-layer Llama and left pipeline rank 0 nothing but the root.
         """
         costs = [self.item_cost(it) for it in items]
         keys: list[frozenset[Hashable]] = [frozenset(it.groups) for it in items]
