@@ -216,7 +216,7 @@ def _smp_row(shape: str, extra: dict[str, Any], batches: list[torch.Tensor], pro
                   "outside": times[-1] - span - optimizer[-1], "step": times[-1]}
     # smp's own CPU in that step (the engine's counts, wire.Costs): messages, calls made, requests served.
     costs = model.engine.costs
-    breakdown |= {"messages": costs.send_s + costs.receive_s, "calls": costs.call_s, "serving": costs.serve_s,
+    breakdown |= {"messages": costs.send_s + costs.receive_s, "calls": costs.call_s, "served": costs.serve_s,
                   "n_messages": costs.sent + costs.received, "n_calls": costs.calls, "n_served": costs.served}
 
     plan = next(iter(model.plans.values())) if model.plans else None
@@ -454,8 +454,7 @@ def main() -> None:
                     f"{p['outside'] * 1e3:.0f}" for p in parts],
                   " / ".join(f"{p['optimizer'] * 1e3:.0f}" for p in parts), f"{max(p['step'] for p in parts) * 1e3:.0f}",
                   f"{max(p['F'] + p['B'] + p['W'] + p['optimizer'] for p in parts) / statistics.median(got['torch 1F1B']):.2f}",
-                  *["; ".join(_per_item(p[f"n_{n}"], p[k]) for n, k in (("messages", "messages"), ("calls", "calls"),
-                                                                        ("served", "serving"))) for p in parts])
+                  *["; ".join(_per_item(p[f"n_{k}"], p[k]) for k in ("messages", "calls", "served")) for p in parts])
         rows.append({"shape": shape, "dims": SHAPES[shape], "single_ms": one * 1e3, "per_microbatch_stage_ms":
                      per_mb * 1e3, **{f"{r} ms": [t * 1e3 for t in got[r]] for r in ROWS},
                      **{f"{r} / 1F1B": ratio[r] for r in ROWS}, "notes": got["notes"],
